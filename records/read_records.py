@@ -1,0 +1,718 @@
+#!/usr/bin/env python3
+"""Read GPT-2 speedrun training logs, tabulate the runs and test a record claim.
+
+Usage:
+    python records/read_records.py PATH [PATH ...] [options]
+
+PATH is a log file or a folder; folders are searched recursively for *.txt
+and *.json files. Two kinds of log are understood:
+
+  * this project's logs, written by train_gpt.py: ``logs/<run_id>.txt`` (the
+    script's source between ``==== train_gpt.py ====`` and
+    ``==== end of train_gpt.py ====``, hyperparameters, environment, one line
+    per step, and a closing ``final:`` line) and the ``logs/<run_id>.json``
+    summary written next to it when the run ends. A .txt and a .json with the
+    same stem in the same folder are one run: the JSON's numbers win, the
+    .txt supplies the validation curve when the JSON has none.
+  * the public NanoGPT speedrun record logs (modded-nanogpt
+    ``records/*/<uuid>.txt``): source code, environment and nvidia-smi output,
+    then ``step:S/N val_loss:... train_time:...ms`` lines.
+
+Output: a markdown table with one row per finished run, then for each group
+the mean and sample standard deviation (ddof=1) of the final validation loss
+and the p-value of a one-sided one-sample t-test whose alternative is
+"the mean is below --target" (scipy.stats.ttest_1samp(..., alternative='less')).
+A group meets the record rule when p < --alpha.
+
+Options:
+    --target LOSS     loss the mean must be below (default 3.28)
+    --alpha P         significance level (default 0.01)
+    --group-by KEY    'folder' (parent folder of each log), a run field
+                      ('preset', 'world_size', 'devices') or any hyperparameter
+                      name; each group gets its own statistics and plot lines
+    --plot DIR        write val_loss_vs_step.png and val_loss_vs_time.png
+    --json            print machine-readable JSON instead of the table
+
+Files that cannot be used (truncated, crashed, unfinished, unknown format,
+unreadable JSON) are reported on stderr as ``skipped <path>: <reason>`` and
+left out. The exit status is 1 only when no run at all could be read.
+
+scipy (p-values) and matplotlib (plots) are optional extras:
+    pip install -r requirements-extras.txt
+
+Examples:
+    python records/read_records.py logs/
+    python records/read_records.py logs/ --group-by preset --plot plots/
+    python records/read_records.py records/2025-01-01_cpu/ --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import sys
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+INSTALL_HINT = "pip install -r requirements-extras.txt"
+
+SOURCE_BEGIN = "==== train_gpt.py ===="
+SOURCE_END = "==== end of train_gpt.py ===="
+
+# A data line starts at column 0 with "step:S/N" followed by key:value fields.
+STEP_RE = re.compile(r"^step:(\d+)/(\d+)((?:\s+[A-Za-z_]+:\S+)*)\s*$")
+FIELD_RE = re.compile(r"([A-Za-z_]+):(\S+)")
+HPARAM_RE = re.compile(r"^\s+([A-Za-z_][A-Za-z0-9_.]*)\s*=\s*(.*?)\s*$")
+# A GPU row of the nvidia-smi table: "|   0  NVIDIA H100 80GB HBM3   On  |   00000000:19:00.0 Off |"
+SMI_GPU_RE = re.compile(
+    r"^\|\s+(\d+)\s+(.+?)\s+(?:On|Off)\s+\|\s+[0-9A-Fa-f]{4,8}:[0-9A-Fa-f]{2}:"
+)
+ENERGY_RE = re.compile(r"^energy:\s+([0-9.eE+-]+)\s*J\s*\(\s*([0-9.eE+-]+)\s*kWh\)")
+PEAK_RE = re.compile(r"^peak memory allocated:\s*([0-9.]+)\s*MiB")
+
+
+class LogError(Exception):
+    """A file that cannot be used as a run; the message is the reason."""
+
+
+@dataclass
+class Run:
+    """One training run, merged from whatever files describe it."""
+
+    name: str
+    paths: list[str]
+    folder: str
+    fmt: str  # "project" or "public"
+    final_val_loss: float
+    steps: int | None = None
+    tokens: int | None = None
+    train_time_ms: float | None = None
+    world_size: int | None = None
+    devices: list[str] = field(default_factory=list)
+    peak_memory_mib: float | None = None
+    energy_j: float | None = None
+    energy_kwh: float | None = None
+    tokens_per_kwh: float | None = None
+    preset: str | None = None
+    git_commit: str | None = None
+    hyperparameters: dict[str, Any] = field(default_factory=dict)
+    val_curve: list[tuple[int, float, float]] = field(default_factory=list)
+    group: str = "all"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "paths": self.paths,
+            "folder": self.folder,
+            "format": self.fmt,
+            "group": self.group,
+            "devices": self.devices,
+            "world_size": self.world_size,
+            "steps": self.steps,
+            "tokens": self.tokens,
+            "final_val_loss": _finite_or_none(self.final_val_loss),
+            "train_time_ms": self.train_time_ms,
+            "peak_memory_mib": self.peak_memory_mib,
+            "energy_j": self.energy_j,
+            "energy_kwh": self.energy_kwh,
+            "tokens_per_kwh": self.tokens_per_kwh,
+            "preset": self.preset,
+            "git_commit": self.git_commit,
+            "hyperparameters": self.hyperparameters,
+            "val_curve": [[s, _finite_or_none(v), t] for s, v, t in self.val_curve],
+        }
+
+
+def _finite_or_none(x: float | None) -> float | None:
+    if x is None or not math.isfinite(x):
+        return None
+    return x
+
+
+def _display_dir(path: Path) -> str:
+    """The folder of a log, relative to the working directory when it is below it."""
+    folder = path.parent.resolve()
+    try:
+        return str(folder.relative_to(Path.cwd().resolve())) or "."
+    except ValueError:
+        return str(folder)
+
+
+def _number(text: str) -> float:
+    """Parse '1234ms', '12.5', 'nan', 'nanms' into a float."""
+    if text.endswith("ms"):
+        text = text[:-2]
+    return float(text)
+
+
+def parse_step_line(line: str) -> tuple[int, int, dict[str, float]] | None:
+    """Return (step, total, fields) for a data line, or None for anything else.
+
+    Lines holding braces are format strings from source code, never data.
+    """
+    if "{" in line or "}" in line:
+        return None
+    m = STEP_RE.match(line.rstrip("\r\n"))
+    if not m:
+        return None
+    fields: dict[str, float] = {}
+    for key, value in FIELD_RE.findall(m.group(3)):
+        try:
+            fields[key] = _number(value)
+        except ValueError:
+            return None
+    if not fields:
+        return None
+    return int(m.group(1)), int(m.group(2)), fields
+
+
+def _parse_fields(text: str) -> dict[str, float]:
+    out = {}
+    for key, value in FIELD_RE.findall(text):
+        try:
+            out[key] = _number(value)
+        except ValueError:
+            continue
+    return out
+
+
+def _gpus_from_smi(lines: list[str]) -> list[str]:
+    gpus: dict[int, str] = {}
+    for line in lines:
+        m = SMI_GPU_RE.match(line)
+        if m:
+            gpus.setdefault(int(m.group(1)), m.group(2).strip())
+    return [gpus[i] for i in sorted(gpus)]
+
+
+def _scan_steps(lines: list[str]):
+    """Collect validation points and the last step seen from data lines."""
+    curve: list[tuple[int, float, float]] = []
+    last: tuple[int, int] | None = None
+    for line in lines:
+        parsed = parse_step_line(line)
+        if parsed is None:
+            continue
+        step, total, fields = parsed
+        last = (step, total)
+        if "val_loss" in fields:
+            curve.append((step, fields["val_loss"], fields.get("train_time", math.nan)))
+    return curve, last
+
+
+def _not_finished_reason(lines: list[str], text: str, last, what: str) -> str:
+    errors = [ln.strip() for ln in lines if ln.startswith("error:") or ln.startswith("Traceback")]
+    where = f"last step seen {last[0]}/{last[1]}" if last else "no step lines"
+    if errors:
+        return f"crashed run, {what} ({where}; {errors[-1][:120]})"
+    if text and not text.endswith("\n"):
+        return f"truncated log, {what} ({where}; file ends mid-line)"
+    return f"unfinished run, {what} ({where})"
+
+
+def parse_project_txt(path: Path, text: str) -> Run:
+    """Parse a human log written by this project's train_gpt.py."""
+    lines = text.splitlines()
+    try:
+        begin = lines.index(SOURCE_BEGIN)
+    except ValueError:
+        raise LogError("unknown format: no train_gpt.py source block") from None
+    try:
+        end = lines.index(SOURCE_END, begin + 1)
+    except ValueError:
+        raise LogError("truncated log: the train_gpt.py source block is never closed") from None
+    body = lines[end + 1:]
+
+    hyper: dict[str, Any] = {}
+    env: dict[str, str] = {}
+    in_hyper = False
+    for line in body:
+        if line.startswith("hyperparameters:"):
+            in_hyper = True
+            continue
+        if in_hyper:
+            m = HPARAM_RE.match(line)
+            if m:
+                hyper[m.group(1)] = m.group(2)
+                continue
+            in_hyper = False
+        for key in ("device", "world_size", "python", "torch", "cuda"):
+            if line.startswith(key + ":") and key not in env:
+                env[key] = line[len(key) + 1:].strip()
+
+    curve, last = _scan_steps(body)
+    final_line = next((ln for ln in reversed(body) if ln.startswith("final:")), None)
+    if final_line is None:
+        raise LogError(_not_finished_reason(body, text, last, "no 'final:' line"))
+    final = _parse_fields(final_line[len("final:"):])
+    if "val_loss" not in final:
+        raise LogError("truncated log: the 'final:' line has no val_loss")
+
+    run = Run(
+        name=path.stem,
+        paths=[str(path)],
+        folder=_display_dir(path),
+        fmt="project",
+        final_val_loss=final["val_loss"],
+        steps=int(final["steps"]) if "steps" in final else (last[1] if last else None),
+        tokens=int(final["tokens"]) if "tokens" in final else None,
+        train_time_ms=final.get("train_time"),
+        hyperparameters=hyper,
+        val_curve=curve,
+        preset=hyper.get("preset"),
+    )
+    if run.train_time_ms is None and curve:
+        run.train_time_ms = curve[-1][2]
+    if "world_size" in env:
+        try:
+            run.world_size = int(env["world_size"])
+        except ValueError:
+            pass
+    smi = _gpus_from_smi(body)
+    if smi:
+        run.devices = smi
+    elif "device" in env:
+        run.devices = [env["device"]] * (run.world_size or 1)
+    for line in body:
+        m = PEAK_RE.match(line)
+        if m:
+            run.peak_memory_mib = float(m.group(1))
+        m = ENERGY_RE.match(line)
+        if m:
+            run.energy_j = float(m.group(1))
+            run.energy_kwh = float(m.group(2))
+            tpk = re.search(r"tokens_per_kWh:(\S+)", line)
+            if tpk:
+                try:
+                    run.tokens_per_kwh = float(tpk.group(1))
+                except ValueError:
+                    pass
+    if run.tokens_per_kwh is None and run.tokens and run.energy_kwh:
+        run.tokens_per_kwh = run.tokens / run.energy_kwh
+    return run
+
+
+def parse_public_txt(path: Path, text: str) -> Run:
+    """Parse a modded-nanogpt record log: source, environment, step lines."""
+    lines = text.splitlines()
+    curve, last = _scan_steps(lines)
+    if last is None:
+        raise LogError("unknown format: no step lines found")
+    total = last[1]
+    finals = [c for c in curve if c[0] == total]
+    if not finals:
+        raise LogError(_not_finished_reason(lines, text, last, f"no val_loss at step {total}/{total}"))
+    step, loss, time_ms = finals[-1]
+    run = Run(
+        name=path.stem,
+        paths=[str(path)],
+        folder=_display_dir(path),
+        fmt="public",
+        final_val_loss=loss,
+        steps=total,
+        train_time_ms=None if math.isnan(time_ms) else time_ms,
+        val_curve=curve,
+    )
+    run.devices = _gpus_from_smi(lines)
+    if run.devices:
+        run.world_size = len(run.devices)
+    for line in lines:
+        m = PEAK_RE.match(line)
+        if m:
+            run.peak_memory_mib = float(m.group(1))
+    return run
+
+
+def parse_txt(path: Path) -> Run:
+    try:
+        text = path.read_text(encoding="utf-8", errors="replace")
+    except OSError as exc:
+        raise LogError(f"unreadable file: {exc.strerror or exc}") from None
+    if SOURCE_BEGIN in text.splitlines():
+        return parse_project_txt(path, text)
+    return parse_public_txt(path, text)
+
+
+def _opt_num(data: dict, key: str, kind=float):
+    value = data.get(key)
+    if value is None or isinstance(value, bool):
+        return None
+    if not isinstance(value, (int, float)):
+        raise LogError(f"unknown format: JSON field {key!r} is not a number")
+    return kind(value)
+
+
+def parse_json(path: Path) -> Run:
+    """Parse a logs/<run_id>.json summary written by train_gpt.py."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise LogError(f"unreadable file: {exc.strerror or exc}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise LogError(f"unreadable JSON: {exc}") from None
+    if not isinstance(data, dict) or "final_val_loss" not in data:
+        raise LogError("unknown format: JSON is not a run summary (no final_val_loss)")
+    status = data.get("status")
+    if status != "finished":
+        raise LogError(f"unfinished run: JSON status is {status!r}, not 'finished'")
+    loss = _opt_num(data, "final_val_loss")
+    if loss is None:
+        loss = math.nan
+    curve = []
+    raw_curve = data.get("val_curve") or []
+    if not isinstance(raw_curve, list):
+        raise LogError("unknown format: JSON val_curve is not a list")
+    for point in raw_curve:
+        if not isinstance(point, (list, tuple)) or len(point) < 2:
+            raise LogError("unknown format: JSON val_curve entries must be [step, val_loss, train_time_ms]")
+        s, v = point[0], point[1]
+        t = point[2] if len(point) > 2 else None
+        curve.append((int(s), math.nan if v is None else float(v), math.nan if t is None else float(t)))
+    devices = data.get("devices") or []
+    hyper = data.get("hyperparameters") or {}
+    return Run(
+        name=str(data.get("run_id") or path.stem),
+        paths=[str(path)],
+        folder=_display_dir(path),
+        fmt="project",
+        final_val_loss=loss,
+        steps=_opt_num(data, "steps", int),
+        tokens=_opt_num(data, "tokens", int),
+        train_time_ms=_opt_num(data, "train_time_ms"),
+        world_size=_opt_num(data, "world_size", int),
+        devices=[str(d) for d in devices] if isinstance(devices, list) else [str(devices)],
+        peak_memory_mib=_opt_num(data, "peak_memory_mib"),
+        energy_j=_opt_num(data, "energy_j"),
+        energy_kwh=_opt_num(data, "energy_kwh"),
+        tokens_per_kwh=_opt_num(data, "tokens_per_kwh"),
+        preset=None if data.get("preset") is None else str(data["preset"]),
+        git_commit=data.get("git_commit"),
+        hyperparameters=hyper if isinstance(hyper, dict) else {},
+        val_curve=curve,
+    )
+
+
+def merge(from_json: Run, from_txt: Run) -> Run:
+    """One run from a JSON summary and its .txt log: JSON numbers win."""
+    run = from_json
+    run.paths = from_txt.paths + from_json.paths
+    if not run.val_curve:
+        run.val_curve = from_txt.val_curve
+    for name in ("steps", "tokens", "train_time_ms", "world_size", "peak_memory_mib",
+                 "energy_j", "energy_kwh", "tokens_per_kwh", "preset"):
+        if getattr(run, name) is None:
+            setattr(run, name, getattr(from_txt, name))
+    if not run.devices:
+        run.devices = from_txt.devices
+    if not run.hyperparameters:
+        run.hyperparameters = from_txt.hyperparameters
+    return run
+
+
+def find_files(paths: list[str], skipped: list[tuple[str, str]]) -> list[Path]:
+    """Expand the command-line paths into .txt/.json files, in a stable order."""
+    found: list[Path] = []
+    seen: set[Path] = set()
+    for arg in paths:
+        p = Path(arg)
+        if p.is_dir():
+            candidates = sorted(
+                q for q in p.rglob("*") if q.is_file() and q.suffix.lower() in (".txt", ".json")
+            )
+        elif p.is_file():
+            candidates = [p]
+        else:
+            skipped.append((arg, "no such file or folder"))
+            continue
+        for q in candidates:
+            key = q.resolve()
+            if key not in seen:
+                seen.add(key)
+                found.append(q)
+    return found
+
+
+def read_runs(paths: list[str]) -> tuple[list[Run], list[tuple[str, str]]]:
+    """Read every run under `paths`; return (runs, [(path, reason), ...] skipped)."""
+    skipped: list[tuple[str, str]] = []
+    files = find_files(paths, skipped)
+    # Pair files by (folder, stem) so a .txt and its .json become one run.
+    by_key: dict[tuple[Path, str], dict[str, Path]] = {}
+    order: list[tuple[Path, str]] = []
+    for f in files:
+        key = (f.parent.resolve(), f.stem)
+        if key not in by_key:
+            by_key[key] = {}
+            order.append(key)
+        kind = "json" if f.suffix.lower() == ".json" else "txt"
+        by_key[key][kind] = f
+
+    runs: list[Run] = []
+    for key in order:
+        pair = by_key[key]
+        parsed: dict[str, Run] = {}
+        for kind, parser in (("json", parse_json), ("txt", parse_txt)):
+            if kind not in pair:
+                continue
+            try:
+                parsed[kind] = parser(pair[kind])
+            except LogError as exc:
+                skipped.append((str(pair[kind]), str(exc)))
+            except Exception as exc:  # one odd file must never stop the rest
+                skipped.append((str(pair[kind]), f"could not parse: {type(exc).__name__}: {exc}"))
+        if "json" in parsed and "txt" in parsed:
+            runs.append(merge(parsed["json"], parsed["txt"]))
+        elif parsed:
+            runs.append(next(iter(parsed.values())))
+    return runs, skipped
+
+
+def group_label(run: Run, key: str | None) -> str:
+    if not key:
+        return "all"
+    if key == "folder":
+        return run.folder
+    if key == "devices":
+        return describe_devices(run.devices)
+    value = getattr(run, key, None) if key in ("preset", "world_size", "fmt") else None
+    if value is None:
+        value = run.hyperparameters.get(key)
+    return f"{key}={'n/a' if value is None else value}"
+
+
+def describe_devices(devices: list[str]) -> str:
+    if not devices:
+        return "n/a"
+    names = list(dict.fromkeys(devices))
+    if len(names) == 1:
+        return names[0] if len(devices) == 1 else f"{len(devices)}x {names[0]}"
+    return ", ".join(devices)
+
+
+def mean_std(values: list[float]) -> tuple[float, float]:
+    """Mean and sample standard deviation (ddof=1; nan for fewer than 2 values)."""
+    n = len(values)
+    if n == 0:
+        return math.nan, math.nan
+    mean = math.fsum(values) / n
+    if n < 2:
+        return mean, math.nan
+    var = math.fsum((v - mean) ** 2 for v in values) / (n - 1)
+    return mean, math.sqrt(var)
+
+
+class MissingExtra(Exception):
+    """An optional package (scipy, matplotlib) is not installed."""
+
+
+def one_sided_pvalue(values: list[float], target: float) -> float:
+    """p-value of the one-sample t-test with alternative 'mean < target'.
+
+    Equal to scipy.stats.ttest_1samp(values, target, alternative='less').pvalue.
+    Raises MissingExtra when scipy is not installed.
+    """
+    try:
+        from scipy import stats
+    except ImportError:
+        raise MissingExtra(
+            f"scipy is not installed, so no p-value is computed; install it with: {INSTALL_HINT}"
+        ) from None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        return float(stats.ttest_1samp(values, target, alternative="less").pvalue)
+
+
+def group_stats(runs: list[Run], target: float, alpha: float, notes: list[str]) -> list[dict]:
+    """Per-group statistics of the final validation loss, groups in first-seen order."""
+    groups: dict[str, list[Run]] = {}
+    for run in runs:
+        groups.setdefault(run.group, []).append(run)
+    out = []
+    for label, members in groups.items():
+        losses = [r.final_val_loss for r in members]
+        mean, std = mean_std(losses)
+        p = None
+        if len(losses) >= 2:
+            try:
+                p = one_sided_pvalue(losses, target)
+            except MissingExtra as exc:
+                if str(exc) not in notes:
+                    notes.append(str(exc))
+        if p is not None and math.isnan(p):
+            p = None
+        meets = None if p is None else bool(p < alpha and mean <= target)
+        out.append({
+            "group": label,
+            "n": len(losses),
+            "mean": _finite_or_none(mean),
+            "std": _finite_or_none(std),
+            "target": target,
+            "alpha": alpha,
+            "p_value": p,
+            "meets": meets,
+        })
+    return out
+
+
+def _fmt(value, spec: str) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "n/a"
+    return format(value, spec)
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|")
+
+
+def render_table(runs: list[Run], grouped: bool) -> str:
+    headers = ["run"] + (["group"] if grouped else []) + [
+        "devices", "world size", "steps", "tokens", "final val loss",
+        "train time (s)", "energy (kWh)", "tokens/kWh"]
+    rows = []
+    for r in runs:
+        time_s = None if r.train_time_ms is None else r.train_time_ms / 1000.0
+        row = [r.name] + ([r.group] if grouped else []) + [
+            describe_devices(r.devices),
+            _fmt(r.world_size, "d"),
+            _fmt(r.steps, "d"),
+            _fmt(r.tokens, "d"),
+            _fmt(r.final_val_loss, ".4f"),
+            _fmt(time_s, ".2f"),
+            _fmt(r.energy_kwh, ".4g"),
+            _fmt(r.tokens_per_kwh, ".3e"),
+        ]
+        rows.append([_cell(c) for c in row])
+    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def render_stats(stats: list[dict]) -> str:
+    lines = []
+    for s in stats:
+        head = f"{s['group']}: " if len(stats) > 1 or s["group"] != "all" else ""
+        mean = _fmt(s["mean"], ".4f")
+        std = _fmt(s["std"], ".4f")
+        line = f"{head}n={s['n']} finished runs, mean final val loss {mean}, std {std} (ddof=1)"
+        if s["p_value"] is None:
+            why = "needs at least 2 runs" if s["n"] < 2 else "not available"
+            line += f"; p-value (mean < {s['target']}) {why}"
+        else:
+            verdict = "MEETS" if s["meets"] else "does NOT meet"
+            line += (f"; one-sided t-test mean < {s['target']}: p={s['p_value']:.3g}"
+                     f" -> {verdict} the rule (p < {s['alpha']})")
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def write_plots(runs: list[Run], outdir: str, grouped: bool, target: float) -> list[str]:
+    """Write val loss vs step and vs training time; return the PNG paths."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise MissingExtra(
+            f"matplotlib is not installed, so no plots are written; install it with: {INSTALL_HINT}"
+        ) from None
+    os.makedirs(outdir, exist_ok=True)
+    with_curve = [r for r in runs if r.val_curve]
+    groups = list(dict.fromkeys(r.group for r in with_curve))
+    colors = plt.rcParams["axes.prop_cycle"].by_key().get("color", ["C0"])
+    written = []
+    for name, xlabel, xpick in (
+        ("val_loss_vs_step.png", "step", lambda c: c[0]),
+        ("val_loss_vs_time.png", "training time (s)", lambda c: c[2] / 1000.0),
+    ):
+        fig, ax = plt.subplots(figsize=(8, 5), dpi=100)
+        labelled: set[str] = set()
+        for i, run in enumerate(with_curve):
+            points = [(xpick(c), c[1]) for c in run.val_curve
+                      if math.isfinite(xpick(c)) and math.isfinite(c[1])]
+            if not points:
+                continue
+            xs, ys = zip(*points)
+            if grouped:
+                color = colors[groups.index(run.group) % len(colors)]
+                label = None
+                if run.group not in labelled:
+                    n = sum(1 for r in with_curve if r.group == run.group)
+                    label = f"{run.group} ({n} run{'s' if n != 1 else ''})"
+                    labelled.add(run.group)
+            else:
+                color = colors[i % len(colors)]
+                label = run.name
+            ax.plot(xs, ys, marker=".", color=color, label=label, linewidth=1.2, alpha=0.85)
+        ax.axhline(target, color="black", linestyle="--", linewidth=1, label=f"target {target}")
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel("validation loss")
+        ax.set_title(f"validation loss vs {xlabel}")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize="small")
+        fig.tight_layout()
+        path = os.path.join(outdir, name)
+        fig.savefig(path)
+        plt.close(fig)
+        written.append(path)
+    return written
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        description="Tabulate speedrun training logs and test mean final val loss < target.",
+        epilog=f"p-values need scipy and plots need matplotlib: {INSTALL_HINT}",
+    )
+    parser.add_argument("paths", nargs="+", metavar="PATH", help="log file or folder (searched recursively)")
+    parser.add_argument("--target", type=float, default=3.28, help="val loss the mean must be below (default 3.28)")
+    parser.add_argument("--alpha", type=float, default=0.01, help="significance level (default 0.01)")
+    parser.add_argument("--group-by", metavar="KEY", default=None,
+                        help="'folder', 'preset', 'world_size', 'devices' or a hyperparameter name")
+    parser.add_argument("--plot", metavar="DIR", default=None, help="write PNG plots into DIR")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    runs, skipped = read_runs(args.paths)
+    for path, reason in skipped:
+        print(f"skipped {path}: {reason}", file=sys.stderr)
+    if not runs:
+        print("error: no run could be read", file=sys.stderr)
+        return 1
+    for run in runs:
+        run.group = group_label(run, args.group_by)
+    notes: list[str] = []
+    stats = group_stats(runs, args.target, args.alpha, notes)
+    plots: list[str] = []
+    if args.plot:
+        try:
+            plots = write_plots(runs, args.plot, bool(args.group_by), args.target)
+        except MissingExtra as exc:
+            notes.append(str(exc))
+    for note in notes:
+        print(note, file=sys.stderr)
+    if args.json:
+        print(json.dumps({
+            "runs": [r.to_dict() for r in runs],
+            "stats": stats,
+            "skipped": [{"path": p, "reason": r} for p, r in skipped],
+            "plots": plots,
+            "notes": notes,
+        }, indent=2))
+    else:
+        print(render_table(runs, bool(args.group_by)))
+        print()
+        print(render_stats(stats))
+        for path in plots:
+            print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,324 @@
+"""Tests for records/read_records.py, the speedrun log reader.
+
+The fixture logs under tests/fixtures/records/ are synthetic: ours/ holds this
+project's format (.txt and .json, presets 'cpu' and 'h100'), public/ and
+public_old/ the modded-nanogpt record format (with and without train_loss),
+mixed/ good runs next to truncated, crashed, unknown-format and broken-JSON files.
+"""
+
+import importlib.util
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = REPO / "records" / "read_records.py"
+FIX = REPO / "tests" / "fixtures" / "records"
+
+
+def _load_reader():
+    spec = importlib.util.spec_from_file_location("read_records_under_test", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look the module up by name
+    spec.loader.exec_module(module)
+    return module
+
+
+rr = _load_reader()
+
+
+def run_cli(*args, block=()):
+    """Run the reader as a program; `block` names modules made unimportable."""
+    if block:
+        prelude = "import sys, runpy\n"
+        prelude += "".join(f"sys.modules[{m!r}] = None\n" for m in block)
+        prelude += f"sys.argv = {[str(SCRIPT)] + [str(a) for a in args]!r}\n"
+        prelude += f"runpy.run_path({str(SCRIPT)!r}, run_name='__main__')\n"
+        cmd = [sys.executable, "-c", prelude]
+    else:
+        cmd = [sys.executable, str(SCRIPT)] + [str(a) for a in args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=REPO)
+
+
+def _have(module):
+    return importlib.util.find_spec(module) is not None
+
+
+# ---------------------------------------------------------------- statistics
+
+KNOWN = [3.2761, 3.2774, 3.2790, 3.2755, 3.2782, 3.2769]
+
+
+def test_mean_and_std_match_numpy():
+    mean, std = rr.mean_std(KNOWN)
+    assert mean == pytest.approx(np.mean(KNOWN), abs=1e-12)
+    assert std == pytest.approx(np.std(KNOWN, ddof=1), abs=1e-12)
+    # hand-checked values for these six numbers
+    assert mean == pytest.approx(3.2771833333, abs=1e-9)
+    assert std == pytest.approx(0.0013014, abs=1e-6)
+
+
+def test_std_needs_two_values():
+    mean, std = rr.mean_std([3.27])
+    assert mean == 3.27 and math.isnan(std)
+
+
+def test_pvalue_equals_scipy():
+    stats = pytest.importorskip("scipy.stats", reason="scipy not installed: pip install -r requirements-extras.txt")
+    for target in (3.28, 3.279, 3.2775, 3.3):
+        expected = stats.ttest_1samp(KNOWN, target, alternative="less").pvalue
+        assert rr.one_sided_pvalue(KNOWN, target) == pytest.approx(expected, rel=1e-12, abs=0)
+    # mean 3.27718 is well below 3.28 with this spread: a small p-value
+    assert rr.one_sided_pvalue(KNOWN, 3.28) < 0.01
+    # and far above 3.27: p close to 1
+    assert rr.one_sided_pvalue(KNOWN, 3.27) > 0.99
+
+
+def test_group_stats_verdict():
+    pytest.importorskip("scipy.stats", reason="scipy not installed: pip install -r requirements-extras.txt")
+    runs = [rr.Run(name=f"r{i}", paths=[], folder=".", fmt="public", final_val_loss=v)
+            for i, v in enumerate(KNOWN)]
+    notes = []
+    [s] = rr.group_stats(runs, target=3.28, alpha=0.01, notes=notes)
+    assert s["n"] == 6 and s["meets"] is True and notes == []
+    [s] = rr.group_stats(runs, target=3.2775, alpha=0.01, notes=notes)
+    assert s["meets"] is False and s["p_value"] > 0.01
+
+
+# ---------------------------------------------------------------- parsing
+
+def test_step_line_parser_rejects_format_strings():
+    assert rr.parse_step_line("step:3/80 val_loss:6.1234 train_time:98ms step_avg:32.67ms") == (
+        3, 80, {"val_loss": 6.1234, "train_time": 98.0, "step_avg": pytest.approx(32.67)})
+    assert rr.parse_step_line("step:{step}/{train_steps} val_loss:{val_loss:.4f}") is None
+    assert rr.parse_step_line('    print0(f"step:{step}/{n} train_time:{t:.0f}ms")') is None
+    assert rr.parse_step_line("step:1/2") is None
+    _, _, fields = rr.parse_step_line("step:0/80 val_loss:10.8258 train_time:0ms step_avg:nanms")
+    assert math.isnan(fields["step_avg"])
+
+
+def test_project_txt_and_json_pair_is_one_run():
+    runs, skipped = rr.read_runs([str(FIX / "ours" / "gpu_s1.txt"), str(FIX / "ours" / "gpu_s1.json")])
+    assert skipped == []
+    [run] = runs
+    assert run.name == "gpu_s1" and run.fmt == "project"
+    assert len(run.paths) == 2
+    assert run.final_val_loss == pytest.approx(3.2712)
+    assert run.steps == 20 and run.tokens == 20 * 524288
+    assert run.world_size == 8 and run.devices == ["NVIDIA H100 80GB HBM3"] * 8
+    assert run.energy_j == pytest.approx(1523456.7)
+    assert run.energy_kwh == pytest.approx(1523456.7 / 3.6e6, rel=1e-6)
+    assert run.tokens_per_kwh == pytest.approx(run.tokens / run.energy_kwh, rel=1e-6)
+    assert run.preset == "h100" and run.hyperparameters["seed"] == 1
+    assert [p[0] for p in run.val_curve] == [0, 5, 10, 15, 20]
+    assert run.val_curve[-1][1] == pytest.approx(3.2712)
+
+
+def test_project_txt_alone():
+    run = rr.parse_txt(FIX / "ours" / "cpu_s2.txt")
+    assert run.fmt == "project"
+    assert run.final_val_loss == pytest.approx(6.1302)
+    assert run.steps == 20 and run.tokens == 20 * 4096
+    assert run.devices == ["cpu"] and run.world_size == 1
+    assert run.energy_kwh is None and run.tokens_per_kwh is None
+    assert run.peak_memory_mib == 812.0
+    assert run.hyperparameters["preset"] == "cpu"
+    assert run.hyperparameters["num_iterations"] == "20"
+    assert run.train_time_ms == pytest.approx(run.val_curve[-1][2])
+    # The docstring inside the source block holds a data-looking "step:5/5" and
+    # "final:" line; neither may be read, only the steps after the block.
+    assert [p[0] for p in run.val_curve] == [0, 5, 10, 15, 20]
+    assert all(p[1] != pytest.approx(0.1) for p in run.val_curve)
+
+
+def test_json_numbers_win_and_txt_supplies_missing_curve(tmp_path):
+    txt = (FIX / "ours" / "cpu_s1.txt").read_text()
+    summary = json.loads((FIX / "ours" / "cpu_s1.json").read_text())
+    assert "val_curve" not in summary  # the fixture JSON has no curve
+    summary["final_val_loss"] = 6.0001  # differs from the txt's final line
+    summary["train_time_ms"] = 11111.0
+    (tmp_path / "r.txt").write_text(txt)
+    (tmp_path / "r.json").write_text(json.dumps(summary))
+    runs, skipped = rr.read_runs([str(tmp_path)])
+    assert skipped == []
+    [run] = runs
+    assert run.final_val_loss == pytest.approx(6.0001)
+    assert run.train_time_ms == 11111.0
+    assert [p[0] for p in run.val_curve] == [0, 5, 10, 15, 20]
+    txt_curve = rr.parse_txt(tmp_path / "r.txt").val_curve
+    assert run.val_curve == txt_curve
+
+
+def test_json_curve_used_when_present():
+    run = rr.parse_json(FIX / "ours" / "gpu_s2.json")
+    assert [p[0] for p in run.val_curve] == [0, 5, 10, 15, 20]
+    assert run.val_curve[-1][1] == pytest.approx(3.2745)
+
+
+def test_public_format_with_code_on_top():
+    path = FIX / "public" / "3f2a9c1e-0b7d-4e55-9a41-6c2d8e1f0a01.txt"
+    text = path.read_text()
+    assert "step:{step}/{train_steps} val_loss:{val_loss:.4f}" in text  # the trap is there
+    run = rr.parse_txt(path)
+    assert run.fmt == "public"
+    assert run.name == "3f2a9c1e-0b7d-4e55-9a41-6c2d8e1f0a01"
+    assert run.steps == 40 and run.tokens is None
+    assert run.final_val_loss == pytest.approx(3.2768)
+    assert [p[0] for p in run.val_curve] == [0, 10, 20, 30, 40]
+    assert run.val_curve[0][1] == pytest.approx(10.8258)
+    # train time of the final val line, as written in the log
+    last_val = [ln for ln in text.splitlines() if ln.startswith("step:40/40 val_loss:")][0]
+    ms = float(last_val.split("train_time:")[1].split("ms")[0])
+    assert run.train_time_ms == ms
+    assert run.devices == ["NVIDIA H100 80GB HBM3"] * 8 and run.world_size == 8
+    assert run.peak_memory_mib == 23001.0
+
+
+def test_public_old_format_with_train_loss():
+    [run] = rr.read_runs([str(FIX / "public_old")])[0]
+    assert run.steps == 30 and run.final_val_loss == pytest.approx(3.2801)
+    assert [p[0] for p in run.val_curve] == [0, 10, 20, 30]
+
+
+# ---------------------------------------------------------------- bad input
+
+BAD = {
+    "truncated.txt": "truncated",
+    "truncated_public.txt": "truncated",
+    "crashed.txt": "crashed",
+    "unknown.txt": "unknown format",
+    "broken.json": "unreadable JSON",
+}
+
+
+def test_bad_files_are_skipped_by_name_and_good_runs_kept():
+    runs, skipped = rr.read_runs([str(FIX / "mixed")])
+    assert sorted(r.name for r in runs) == ["good_a", "good_public"]
+    reasons = {Path(p).name: why for p, why in skipped}
+    assert set(reasons) == set(BAD)
+    for name, word in BAD.items():
+        assert word in reasons[name], (name, reasons[name])
+
+
+def test_cli_reports_bad_files_on_stderr_one_line_each():
+    proc = run_cli(FIX / "mixed")
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    for name, word in BAD.items():
+        hits = [ln for ln in lines if ln.startswith("skipped ") and name + ":" in ln]
+        assert len(hits) == 1, (name, proc.stderr)
+        assert word in hits[0]
+    assert "| good_a |" in proc.stdout and "| good_public |" in proc.stdout
+    for name in BAD:
+        assert Path(name).stem + " |" not in proc.stdout
+
+
+def test_cli_exits_nonzero_when_nothing_readable(tmp_path):
+    (tmp_path / "notes.txt").write_text("nothing here\n")
+    (tmp_path / "bad.json").write_text("{not json")
+    proc = run_cli(tmp_path)
+    assert proc.returncode != 0
+    assert "skipped" in proc.stderr and "notes.txt" in proc.stderr and "bad.json" in proc.stderr
+    proc = run_cli(tmp_path / "does_not_exist")
+    assert proc.returncode != 0 and "does_not_exist" in proc.stderr
+
+
+# ---------------------------------------------------------------- CLI output
+
+def test_cli_table_and_stats():
+    proc = run_cli(FIX / "ours", "--target", "3.28", "--alpha", "0.01")
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    header = out.splitlines()[0]
+    for col in ("run", "devices", "world size", "steps", "tokens", "final val loss",
+                "train time (s)", "energy (kWh)", "tokens/kWh"):
+        assert col in header
+    rows = [ln for ln in out.splitlines() if ln.startswith("| ") and not ln.startswith("| run")]
+    assert len(rows) == 5
+    gpu1 = [r for r in rows if r.startswith("| gpu_s1 |")][0]
+    assert "8x NVIDIA H100 80GB HBM3" in gpu1 and "3.2712" in gpu1 and "10485760" in gpu1
+    cpu2 = [r for r in rows if r.startswith("| cpu_s2 |")][0]
+    assert cpu2.count("n/a") == 2  # no energy, no tokens/kWh
+    losses = [6.1234, 6.1302, 3.2712, 3.2745, 3.2731]
+    assert f"mean final val loss {np.mean(losses):.4f}" in out
+    assert f"std {np.std(losses, ddof=1):.4f}" in out
+
+
+def test_cli_json_output():
+    proc = run_cli(FIX / "ours", FIX / "public", "--json")
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(proc.stdout)
+    assert len(data["runs"]) == 8 and data["skipped"] == []
+    [s] = data["stats"]
+    losses = [r["final_val_loss"] for r in data["runs"]]
+    assert s["n"] == 8
+    assert s["mean"] == pytest.approx(np.mean(losses))
+    assert s["std"] == pytest.approx(np.std(losses, ddof=1))
+    if _have("scipy"):
+        from scipy import stats
+        assert s["p_value"] == pytest.approx(stats.ttest_1samp(losses, 3.28, alternative="less").pvalue)
+        assert s["meets"] is False
+
+
+def test_group_by_gives_separate_stats():
+    proc = run_cli(FIX / "ours", "--group-by", "preset", "--json")
+    data = json.loads(proc.stdout)
+    stats = {s["group"]: s for s in data["stats"]}
+    assert set(stats) == {"preset=cpu", "preset=h100"}
+    assert stats["preset=cpu"]["n"] == 2 and stats["preset=h100"]["n"] == 3
+    h100 = [3.2712, 3.2745, 3.2731]
+    assert stats["preset=h100"]["mean"] == pytest.approx(np.mean(h100))
+    assert stats["preset=h100"]["std"] == pytest.approx(np.std(h100, ddof=1))
+    assert stats["preset=cpu"]["mean"] == pytest.approx(np.mean([6.1234, 6.1302]))
+    if _have("scipy"):
+        from scipy import stats as sst
+        assert stats["preset=h100"]["p_value"] == pytest.approx(
+            sst.ttest_1samp(h100, 3.28, alternative="less").pvalue)
+        assert stats["preset=h100"]["meets"] is True
+        assert stats["preset=cpu"]["meets"] is False
+
+    proc = run_cli(FIX / "public", FIX / "public_old", "--group-by", "folder")
+    assert proc.returncode == 0, proc.stderr
+    stat_lines = [ln for ln in proc.stdout.splitlines() if "finished runs" in ln]
+    assert len(stat_lines) == 2
+    assert any(ln.startswith(str(Path("tests/fixtures/records/public")) + ":") and "n=3" in ln
+               for ln in stat_lines)
+    assert any("public_old:" in ln and "n=1" in ln and "needs at least 2 runs" in ln
+               for ln in stat_lines)
+
+
+# ---------------------------------------------------------------- plots and extras
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.skipif(not _have("matplotlib"),
+                    reason="matplotlib not installed: pip install -r requirements-extras.txt")
+def test_plots_are_written(tmp_path):
+    proc = run_cli(FIX / "ours", FIX / "public", "--group-by", "folder", "--plot", tmp_path / "plots")
+    assert proc.returncode == 0, proc.stderr
+    for name in ("val_loss_vs_step.png", "val_loss_vs_time.png"):
+        path = tmp_path / "plots" / name
+        assert path.is_file(), proc.stdout
+        data = path.read_bytes()
+        assert data[:8] == PNG_SIGNATURE
+        assert len(data) > 10_000
+        assert f"wrote {path}" in proc.stdout
+
+
+def test_without_scipy_and_matplotlib_table_still_works(tmp_path):
+    proc = run_cli(FIX / "ours", "--plot", tmp_path / "plots", block=("scipy", "matplotlib"))
+    assert proc.returncode == 0, proc.stderr
+    assert "| gpu_s1 |" in proc.stdout
+    assert "mean final val loss" in proc.stdout and "std " in proc.stdout
+    err = proc.stderr.splitlines()
+    scipy_lines = [ln for ln in err if "scipy is not installed" in ln]
+    mpl_lines = [ln for ln in err if "matplotlib is not installed" in ln]
+    assert len(scipy_lines) == 1 and "pip install -r requirements-extras.txt" in scipy_lines[0]
+    assert len(mpl_lines) == 1 and "pip install -r requirements-extras.txt" in mpl_lines[0]
+    assert not (tmp_path / "plots" / "val_loss_vs_step.png").exists()
