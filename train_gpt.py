@@ -1,0 +1,1510 @@
+"""GPT-2 speedrun trainer: one file, any number of ranks, CUDA or CPU.
+
+Trains a GPT-2-small-class model on pre-tokenized FineWeb shards to <= 3.28
+validation loss, following the 2025-01-26 NanoGPT speedrun recipe: Muon for
+hidden matrices, Adam for the rest, value embeddings, U-net skips, long/short
+sliding-window attention over documents, an FP8 LM head and a reduce-scatter
+gradient loop.
+
+    torchrun --standalone --nproc_per_node=8 train_gpt.py          # speedrun preset on GPUs
+    python train_gpt.py                                            # cpu preset, bundled sample
+    python train_gpt.py --preset=cpu --num_iterations=20 --seed=1  # any hyperparameter as --name=value
+
+Sections, in order: configuration, distributed setup, data, model, optimizers,
+schedules, run log and accounting, checkpoints, training loop.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import hashlib
+import json
+import math
+import os
+import platform
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass, field, fields
+from datetime import timedelta
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch import Tensor
+
+REPO_DIR = Path(__file__).resolve().parent
+EOT_TOKEN = 50256  # <|endoftext|>: every document starts with it
+BLOCK_SIZE = 128  # attention mask granularity and window unit, in tokens
+
+
+class UsageError(Exception):
+    """An expected bad condition (flag, data, checkpoint): reported as one line, no traceback."""
+
+
+# -----------------------------------------------------------------------------
+# Configuration
+
+@dataclass
+class Hyperparameters:
+    preset: str = "auto"  # speedrun | cpu; auto picks speedrun when CUDA is present, cpu otherwise
+    seed: int = 0
+    # data
+    train_files: str = "data/fineweb10B/fineweb_train_*.bin"
+    val_files: str = "data/fineweb10B/fineweb_val_*.bin"
+    val_tokens: int = 10_485_760  # fixed validation budget, scored every val_every steps and at the end
+    train_cycle: bool = False  # allow more than one pass over the training shards
+    bos_align: bool = False  # start every training sequence at a document start
+    # batch: one flat sequence of seq_len tokens per rank per micro-step
+    batch_tokens: int = 8 * 48 * 1024  # global tokens per optimizer step, fixed for any world size
+    seq_len: int = 48 * 1024
+    val_seq_len: int = 64 * 1024
+    # schedule
+    num_iterations: int = 1770
+    cooldown_frac: float = 0.4  # lr decays linearly over this last fraction of training ...
+    lr_final_frac: float = 0.1  # ... down to this fraction of the base lr
+    val_every: int = 125
+    window_final_tokens: int = 1728  # window grows linearly to this (rounded up to whole blocks)
+    sliding_window: bool = True  # False: full causal attention within documents
+    # model
+    vocab_size: int = 50257
+    n_layer: int = 12
+    model_dim: int = 768
+    n_head: int = 6
+    head_dim: int = 128
+    attn_scale: float = 0.12
+    logit_softcap: float = 30.0  # 0 turns the softcap off
+    value_embeds: bool = True
+    unet_skips: bool = True
+    zero_init: bool = True  # zero-init output projections and the head
+    qk_norm: bool = True
+    mlp_act: str = "relu2"  # relu2 | gelu
+    # optimizers
+    muon: bool = True  # False: Adam also for the hidden matrices (ablation)
+    muon_lr: float = 0.05
+    muon_momentum: float = 0.95
+    muon_momentum_start: float = 0.85
+    muon_momentum_warmup_steps: int = 300
+    ns_steps: int = 5
+    adam_beta1: float = 0.8
+    adam_beta2: float = 0.95
+    adam_eps: float = 1e-10
+    head_lr: float = 0.008
+    embed_lr: float = 0.6
+    scalar_lr: float = 0.04
+    matrix_adam_lr: float = 0.004  # hidden matrices' lr when muon is off
+    weight_decay: float = 0.0  # decoupled, on matrices updated by Adam
+    # systems
+    dtype: str = "bf16"  # activations and embeddings: bf16 | fp32
+    fp8_head: bool = True  # used only where the GPU supports FP8 (compute capability >= 8.9)
+    attention: str = "auto"  # flex | sdpa; auto: flex on CUDA, sdpa on CPU
+    compile: str = "auto"  # on | off; auto: on with CUDA, off on CPU
+    warmup_steps: int = 10  # untimed steps to compile kernels; state is restored afterwards
+    collective_timeout_s: int = 600  # a dead rank stops the others after this long
+    # logging and accounting
+    log_dir: str = "logs"
+    run_id: str = ""  # default: time, preset and a random suffix
+    log_train_loss: bool = False  # a host sync per step; off for the timed speedrun
+    profile_steps: int = 0  # record this many steps with torch.profiler (Chrome trace per rank)
+    # checkpoints
+    checkpoint_every: int = 0  # 0: only with checkpoint_final
+    checkpoint_final: bool = False
+    checkpoint_keep: int = 2
+    resume: str = ""  # a checkpoint folder, or "latest" (newest under log_dir)
+    stop_after: int = 0  # stop (with a checkpoint) after this step; for preemption tests and resume drills
+
+
+PRESETS = {
+    "speedrun": dict(),  # the dataclass defaults are the 8xH100 reference recipe
+    "cpu": dict(
+        train_files="data/sample/sotu_train_*.bin",
+        val_files="data/sample/sotu_val_*.bin",
+        val_tokens=16384,
+        batch_tokens=4096,
+        seq_len=1024,
+        val_seq_len=2048,
+        num_iterations=60,
+        val_every=20,
+        window_final_tokens=1024,
+        n_layer=6,
+        model_dim=256,
+        n_head=4,
+        head_dim=64,
+        warmup_steps=0,
+        log_train_loss=True,
+    ),
+}
+
+
+def parse_value(kind: type, text: str):
+    if kind is bool:
+        lowered = text.lower()
+        if lowered in ("1", "true", "yes", "on"):
+            return True
+        if lowered in ("0", "false", "no", "off"):
+            return False
+        raise ValueError("expected true/false")
+    return kind(text)
+
+
+def field_types() -> dict[str, type]:
+    kinds = {"bool": bool, "int": int, "float": float, "str": str}
+    return {f.name: kinds[f.type] for f in fields(Hyperparameters)}
+
+
+def parse_args(argv: list[str], cuda_available: bool) -> Hyperparameters:
+    """`--name=value` overrides applied on top of a preset; unknown names and bad values are refused."""
+    types = field_types()
+    overrides: dict[str, object] = {}
+    for arg in argv:
+        name, sep, text = arg.removeprefix("--").partition("=")
+        if not arg.startswith("--") or name not in types:
+            raise UsageError(f"unknown argument {arg!r}; valid: " + " ".join(f"--{n}=" for n in types))
+        if not sep:
+            if types[name] is not bool:
+                raise UsageError(f"--{name} needs a value: --{name}=<{types[name].__name__}>")
+            text = "true"
+        try:
+            overrides[name] = parse_value(types[name], text)
+        except ValueError:
+            raise UsageError(f"bad value {text!r} for --{name}: expected {types[name].__name__}") from None
+    preset = overrides.get("preset", "auto")
+    if preset == "auto":
+        preset = "speedrun" if cuda_available else "cpu"
+    if preset not in PRESETS:
+        raise UsageError(f"unknown preset {preset!r}; valid presets: {', '.join(PRESETS)}")
+    args = Hyperparameters(**{**PRESETS[preset], **overrides, "preset": preset})
+    for name, allowed in (("dtype", ("bf16", "fp32")), ("attention", ("auto", "flex", "sdpa")),
+                          ("compile", ("auto", "on", "off")), ("mlp_act", ("relu2", "gelu"))):
+        if getattr(args, name) not in allowed:
+            raise UsageError(f"bad value {getattr(args, name)!r} for --{name}; valid: {', '.join(allowed)}")
+    for name in ("seq_len", "val_seq_len"):
+        if getattr(args, name) % BLOCK_SIZE:
+            raise UsageError(f"--{name}={getattr(args, name)} is not a multiple of the {BLOCK_SIZE}-token block")
+    if args.val_tokens % args.val_seq_len:
+        raise UsageError(f"--val_tokens={args.val_tokens} is not a multiple of --val_seq_len={args.val_seq_len}")
+    if args.n_layer < 2 or args.n_layer % 2:
+        raise UsageError(f"--n_layer={args.n_layer}: the U-net layout needs an even depth >= 2")
+    if args.n_head * args.head_dim <= 0 or args.head_dim % 4:
+        raise UsageError(f"--head_dim={args.head_dim} must be a positive multiple of 4 (half-truncated rotary)")
+    if args.num_iterations < 1:
+        raise UsageError(f"--num_iterations={args.num_iterations} must be at least 1")
+    return args
+
+
+# -----------------------------------------------------------------------------
+# Distributed setup and device choices (decided once, here)
+
+@dataclass
+class Runtime:
+    rank: int
+    local_rank: int
+    world_size: int
+    device: torch.device
+    dtype: torch.dtype
+    attention: str  # flex | sdpa
+    fp8_head: bool
+    compile: bool
+
+    @property
+    def is_master(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+    def synchronize(self) -> None:
+        if self.is_cuda:
+            torch.cuda.synchronize()
+
+
+def fp8_supported(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def setup_runtime(args: Hyperparameters) -> Runtime:
+    """Joins the process group when launched by torchrun and picks device, dtype and kernels."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if torch.cuda.is_available():
+        if local_rank >= torch.cuda.device_count():
+            raise UsageError(f"local rank {local_rank} has no GPU ({torch.cuda.device_count()} visible); "
+                             "set --nproc_per_node to at most the GPU count")
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    if world_size > 1:
+        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo",
+                                timeout=timedelta(seconds=args.collective_timeout_s),
+                                device_id=device if device.type == "cuda" else None)
+    attention = args.attention if args.attention != "auto" else ("flex" if device.type == "cuda" else "sdpa")
+    compile_on = args.compile == "on" or (args.compile == "auto" and device.type == "cuda")
+    return Runtime(rank=rank, local_rank=local_rank, world_size=world_size, device=device,
+                   dtype=torch.bfloat16 if args.dtype == "bf16" else torch.float32,
+                   attention=attention, fp8_head=args.fp8_head and fp8_supported(device),
+                   compile=compile_on)
+
+
+def gradient_accumulation(args: Hyperparameters, world_size: int) -> int:
+    """Micro-steps per optimizer step that keep the global batch fixed; refuses impossible world sizes."""
+    per_step = world_size * args.seq_len
+    if args.batch_tokens % per_step:
+        chunks = args.batch_tokens // args.seq_len
+        valid = [w for w in range(1, chunks + 1) if chunks % w == 0] if args.batch_tokens % args.seq_len == 0 else []
+        raise UsageError(f"world size {world_size} cannot split --batch_tokens={args.batch_tokens} into sequences "
+                         f"of --seq_len={args.seq_len}; world sizes that work: {valid or 'none (fix batch_tokens)'}")
+    return args.batch_tokens // per_step
+
+
+# -----------------------------------------------------------------------------
+# Data: shards of uint16 tokens behind a 256-int32 header
+
+SHARD_MAGIC = 20240520
+SHARD_VERSION = 1
+HEADER_BYTES = 256 * 4
+
+
+def shard_token_count(path: Path) -> int:
+    """Validates a shard's header against its file size and returns its token count."""
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            header = np.frombuffer(f.read(HEADER_BYTES), dtype="<i4")
+    except OSError as e:
+        raise UsageError(f"cannot read shard {path}: {e.strerror}") from None
+    if header.size < 256:
+        raise UsageError(f"shard {path} is truncated: {size} bytes is less than its 1024-byte header")
+    if header[0] != SHARD_MAGIC:
+        raise UsageError(f"shard {path} has magic {header[0]}, expected {SHARD_MAGIC}: not a token shard")
+    if header[1] != SHARD_VERSION:
+        raise UsageError(f"shard {path} has version {header[1]}, expected {SHARD_VERSION}")
+    count = int(header[2])
+    if size != HEADER_BYTES + 2 * count:
+        raise UsageError(f"shard {path} is truncated or padded: header says {count} tokens "
+                         f"({HEADER_BYTES + 2 * count} bytes), file has {size} bytes; download it again")
+    return count
+
+
+def load_shard(path: Path, vocab_size: int) -> np.ndarray:
+    """Memory-maps a shard's tokens after checking every id fits the vocabulary."""
+    count = shard_token_count(path)
+    tokens = np.memmap(path, dtype=np.uint16, mode="r", offset=HEADER_BYTES, shape=(count,))
+    if count and int(tokens.max()) >= vocab_size:
+        raise UsageError(f"shard {path} holds token id {int(tokens.max())} >= vocab size {vocab_size}")
+    return tokens
+
+
+def find_shards(pattern: str, what: str) -> list[Path]:
+    """Sorted shards matching a glob (relative to the working directory, else to this script's folder)."""
+    matches = sorted(glob.glob(pattern))
+    if not matches and not os.path.isabs(pattern):
+        matches = sorted(glob.glob(str(REPO_DIR / pattern)))
+    if not matches:
+        hint = ("run `python data/cached_fineweb10B.py 9` to download them" if "fineweb" in pattern
+                else "make shards with `python data/fineweb.py --input ...` or pass --train_files/--val_files")
+        raise UsageError(f"no {what} shards match {pattern!r}; {hint}")
+    return [Path(m) for m in matches]
+
+
+class TokenStream:
+    """The shards read in order as one stream. At the end it cycles only when asked to."""
+
+    def __init__(self, files: list[Path], vocab_size: int, cycle: bool):
+        self.files, self.vocab_size, self.cycle = files, vocab_size, cycle
+        self.epoch, self.shard, self.pos = 0, 0, 0
+        self._tokens: np.ndarray | None = None
+        self._bos: np.ndarray | None = None
+
+    def state(self) -> dict:
+        return {"epoch": self.epoch, "shard": self.shard, "pos": self.pos}
+
+    def load_state(self, state: dict) -> None:
+        self.epoch, self.shard, self.pos = state["epoch"], state["shard"], state["pos"]
+        self._tokens = None
+
+    @property
+    def tokens(self) -> np.ndarray:
+        if self._tokens is None:
+            self._tokens = load_shard(self.files[self.shard], self.vocab_size)
+            self._bos = None
+        return self._tokens
+
+    def _next_shard(self) -> None:
+        self.shard, self.pos, self._tokens = self.shard + 1, 0, None
+        if self.shard == len(self.files):
+            if not self.cycle:
+                raise UsageError(f"ran out of training data after {self.epoch + 1} pass(es) over {len(self.files)} "
+                                 "shard(s); download more shards or pass --train_cycle=true to repeat them")
+            self.shard, self.epoch = 0, self.epoch + 1
+
+    def _next_bos(self, start: int) -> int:
+        if self._bos is None:
+            self._bos = np.flatnonzero(np.asarray(self.tokens) == EOT_TOKEN)
+        i = np.searchsorted(self._bos, start)
+        return int(self._bos[i]) if i < len(self._bos) else len(self.tokens)
+
+    def take(self, n: int, bos_align: bool = False) -> np.ndarray:
+        """The next n tokens plus the one after (the last target); the cursor moves by n."""
+        for _ in range(2 * len(self.files) + 1):
+            start = self._next_bos(self.pos) if bos_align else self.pos
+            if start + n + 1 <= len(self.tokens):
+                self.pos = start + n
+                return self.tokens[start:start + n + 1]
+            self._next_shard()
+        raise UsageError(f"no shard of {[str(f) for f in self.files]} holds a sequence of {n + 1} tokens")
+
+
+def to_device(chunk: np.ndarray, device: torch.device) -> tuple[Tensor, Tensor]:
+    """Inputs and next-token targets; pinned and asynchronous on CUDA."""
+    host = torch.from_numpy(chunk.astype(np.int64))
+    if device.type == "cuda":
+        host = host.pin_memory()
+    seq = host.to(device, non_blocking=True)
+    return seq[:-1], seq[1:]
+
+
+class DistributedTokenLoader:
+    """Cuts each global batch into world_size * accum sequences; rank r takes sequences r, r + W, ...
+
+    Every rank walks the same global layout, so the batch does not depend on the world size.
+    """
+
+    def __init__(self, stream: TokenStream, seq_len: int, rank: int, world_size: int, accum: int,
+                 bos_align: bool, device: torch.device):
+        self.stream, self.seq_len, self.rank, self.world_size = stream, seq_len, rank, world_size
+        self.accum, self.bos_align, self.device = accum, bos_align, device
+
+    def next_batch(self) -> list[tuple[Tensor, Tensor]]:
+        chunks = [self.stream.take(self.seq_len, self.bos_align) for _ in range(self.world_size * self.accum)]
+        return [to_device(chunks[i], self.device) for i in range(self.rank, len(chunks), self.world_size)]
+
+
+def validation_sequences(files: list[Path], args: Hyperparameters, rank: int, world_size: int) -> list[np.ndarray]:
+    """This rank's share of the fixed validation budget (sequence i goes to rank i % world_size)."""
+    total = sum(shard_token_count(f) for f in files)
+    if total < args.val_tokens + 1:
+        raise UsageError(f"--val_tokens={args.val_tokens} but the validation shards hold only {total} tokens; "
+                         "lower --val_tokens")
+    stream = TokenStream(files, args.vocab_size, cycle=False)
+    seqs = [np.array(stream.take(args.val_seq_len)) for _ in range(args.val_tokens // args.val_seq_len)]
+    return seqs[rank::world_size]
+
+
+# -----------------------------------------------------------------------------
+# Model
+
+def rms_norm(x: Tensor) -> Tensor:
+    return F.rms_norm(x, (x.size(-1),))
+
+
+@dataclass(frozen=True)
+class LayerRoles:
+    """Every depth-dependent role of the U-net layout, derived in one place.
+
+    For 12 layers: value embeddings 0,1,2 at layers 0-2 and again at 9-11, no attention
+    in layer 7, windows L S S S L S | S L S S S L, layers 0-5 feed skips into 11-6.
+    """
+    value_embed: tuple[int | None, ...]  # table index used by each layer
+    attention: tuple[bool, ...]
+    long_window: tuple[bool, ...]
+    n_encoder: int
+    n_value_embeds: int
+
+    @staticmethod
+    def for_depth(n_layer: int, value_embeds: bool = True) -> "LayerRoles":
+        n_enc = n_layer // 2
+        n_ve = min(3, n_enc) if value_embeds else 0
+        ve: list[int | None] = [None] * n_layer
+        for i in range(n_ve):
+            ve[i] = ve[n_layer - n_ve + i] = i
+        encoder_long = [i % 4 == 0 for i in range(n_enc)]
+        return LayerRoles(value_embed=tuple(ve),
+                          attention=tuple(i != n_enc + 1 for i in range(n_layer)),
+                          long_window=tuple(encoder_long + encoder_long[::-1]),
+                          n_encoder=n_enc, n_value_embeds=n_ve)
+
+
+def document_ids(tokens: Tensor) -> Tensor:
+    """Document index of every token: a new document starts at each EOT token."""
+    return (tokens == EOT_TOKEN).cumsum(0)
+
+
+def attention_allowed(docs: Tensor, q_idx: Tensor, kv_idx: Tensor, window_blocks: Tensor) -> Tensor:
+    """The one mask rule: causal, same document, and within window_blocks 128-token blocks."""
+    in_window = q_idx // BLOCK_SIZE - kv_idx // BLOCK_SIZE < window_blocks
+    return (kv_idx <= q_idx) & (docs[q_idx] == docs[kv_idx]) & in_window
+
+
+def sliding_window_mask(tokens: Tensor, window_blocks: Tensor) -> Tensor:
+    """Dense (T, T) boolean mask of attention_allowed, for SDPA."""
+    idx = torch.arange(tokens.numel(), device=tokens.device)
+    return attention_allowed(document_ids(tokens), idx[:, None], idx[None, :], window_blocks)
+
+
+def sliding_window_block_mask(tokens: Tensor, window_blocks: Tensor):
+    """FlexAttention BlockMask of attention_allowed, built from per-block document ranges.
+
+    A block pair is full when every pair in it is allowed, partial (mask_mod decides) when some are.
+    """
+    from torch.nn.attention.flex_attention import BlockMask
+
+    docs = document_ids(tokens)
+    n_blocks = tokens.numel() // BLOCK_SIZE
+    doc_lo, doc_hi = docs.view(n_blocks, BLOCK_SIZE)[:, 0], docs.view(n_blocks, BLOCK_SIZE)[:, -1]
+    q_blk = torch.arange(n_blocks, device=tokens.device)[:, None]
+    kv_blk = q_blk.T
+    in_window = q_blk - kv_blk < window_blocks
+    any_allowed = (kv_blk <= q_blk) & (doc_lo[:, None] <= doc_hi[None, :]) & (doc_lo[None, :] <= doc_hi[:, None])
+    all_allowed = (kv_blk < q_blk) & (doc_lo[:, None] == doc_hi[:, None]) & (doc_lo[None, :] == doc_hi[None, :]) \
+        & (doc_lo[:, None] == doc_lo[None, :])
+    full = all_allowed & in_window
+    partial = any_allowed & in_window & ~full
+
+    def kv_order(blocks: Tensor) -> tuple[Tensor, Tensor]:
+        counts = blocks.sum(dim=-1, dtype=torch.int32)
+        order = blocks.to(torch.int8).argsort(dim=-1, descending=True, stable=True).to(torch.int32)
+        return counts[None, None].contiguous(), order[None, None].contiguous()
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return attention_allowed(docs, q_idx, kv_idx, window_blocks)
+
+    partial_counts, partial_idx = kv_order(partial)
+    full_counts, full_idx = kv_order(full)
+    return BlockMask.from_kv_blocks(partial_counts, partial_idx, full_counts, full_idx,
+                                    BLOCK_SIZE=BLOCK_SIZE, mask_mod=mask_mod)
+
+
+class SDPAAttention:
+    """Dense boolean masks and scaled_dot_product_attention: CPU and the fallback everywhere."""
+    build_mask = staticmethod(sliding_window_mask)
+
+    @staticmethod
+    def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float) -> Tensor:
+        y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                           attn_mask=mask, scale=scale)
+        return y.transpose(1, 2)
+
+
+class FlexAttention:
+    """Block-sparse FlexAttention: CUDA (its backward does not run on CPU)."""
+    build_mask = staticmethod(sliding_window_block_mask)
+
+    @staticmethod
+    def attend(q: Tensor, k: Tensor, v: Tensor, mask, scale: float) -> Tensor:
+        from torch.nn.attention.flex_attention import flex_attention
+        y = flex_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=mask, scale=scale)
+        return y.transpose(1, 2)
+
+
+ATTENTION_BACKENDS = {"sdpa": SDPAAttention, "flex": FlexAttention}
+
+
+# FP8 head: e4m3 operands forward, e5m2 gradients backward, scales fixed by the recipe.
+
+@torch.library.custom_op("speedrun::fp8_matmul", mutates_args=())
+def fp8_matmul(x: Tensor, w: Tensor, x_scale: float, w_scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    """x @ w.T in FP8; also returns the FP8 operands for the backward pass."""
+    x_f8 = (x * x_scale).to(torch.float8_e4m3fn)
+    w_f8 = (w * w_scale).to(torch.float8_e4m3fn)
+    out = torch._scaled_mm(x_f8, w_f8.T, out_dtype=torch.bfloat16, use_fast_accum=True,
+                           scale_a=x.new_tensor(1 / x_scale, dtype=torch.float32),
+                           scale_b=x.new_tensor(1 / w_scale, dtype=torch.float32))
+    return out, x_f8, w_f8
+
+
+@fp8_matmul.register_fake
+def _(x: Tensor, w: Tensor, x_scale: float, w_scale: float):
+    return (x.new_empty(x.shape[0], w.shape[0], dtype=torch.bfloat16),
+            torch.empty_like(x, dtype=torch.float8_e4m3fn), torch.empty_like(w, dtype=torch.float8_e4m3fn))
+
+
+@torch.library.custom_op("speedrun::fp8_matmul_backward", mutates_args=())
+def fp8_matmul_backward(grad: Tensor, x_f8: Tensor, w_f8: Tensor, x_scale: float, w_scale: float,
+                        grad_scale: float) -> tuple[Tensor, Tensor]:
+    """grad_x = grad @ w and grad_w = grad.T @ x from two scaled matmuls; grad_w accumulates in fp32."""
+    grad_f8 = (grad * grad_scale).to(torch.float8_e5m2)
+    inv = lambda s: grad.new_tensor(1 / s, dtype=torch.float32)
+    grad_x = torch._scaled_mm(grad_f8, w_f8.T.contiguous().T, out_dtype=torch.bfloat16, use_fast_accum=False,
+                              scale_a=inv(grad_scale), scale_b=inv(w_scale))
+    grad_w = torch._scaled_mm(grad_f8.T.contiguous(), x_f8.T.contiguous().T, out_dtype=torch.float32,
+                              use_fast_accum=False, scale_a=inv(grad_scale), scale_b=inv(x_scale))
+    return grad_x, grad_w
+
+
+@fp8_matmul_backward.register_fake
+def _(grad: Tensor, x_f8: Tensor, w_f8: Tensor, x_scale: float, w_scale: float, grad_scale: float):
+    return (x_f8.new_empty(x_f8.shape, dtype=torch.bfloat16), w_f8.new_empty(w_f8.shape, dtype=torch.float32))
+
+
+FP8_SCALES = dict(x_scale=2.0, w_scale=2.0 ** 9, grad_scale=2.0 ** 19)
+
+
+def _fp8_setup_context(ctx, inputs, output):
+    _, _, x_scale, w_scale = inputs
+    ctx.save_for_backward(output[1], output[2])
+    ctx.scales = (x_scale, w_scale)
+
+
+def _fp8_backward(ctx, grad_out, *_):
+    x_f8, w_f8 = ctx.saved_tensors
+    grad_x, grad_w = fp8_matmul_backward(grad_out, x_f8, w_f8, *ctx.scales, FP8_SCALES["grad_scale"])
+    return grad_x, grad_w, None, None
+
+
+fp8_matmul.register_autograd(_fp8_backward, setup_context=_fp8_setup_context)
+
+
+class CastedLinear(nn.Linear):
+    """fp32 master weight, used in the activation dtype; optionally FP8 in training (the head)."""
+
+    def __init__(self, in_features: int, out_features: int, zero_init: bool = False, fp8: bool = False):
+        super().__init__(in_features, out_features, bias=False)
+        self.fp8 = fp8
+        bound = math.sqrt(3) * 0.5 / math.sqrt(in_features)  # uniform with std 0.5/sqrt(fan_in)
+        with torch.no_grad():
+            self.weight.zero_() if zero_init else self.weight.uniform_(-bound, bound)
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.fp8 and self.training:
+            out = fp8_matmul(x.flatten(0, -2), self.weight, FP8_SCALES["x_scale"], FP8_SCALES["w_scale"])[0]
+            return out.view(*x.shape[:-1], -1)
+        return F.linear(x, self.weight.type_as(x))
+
+
+class Rotary(nn.Module):
+    """Rotary embedding on half the head dimension; the other half's frequencies are zero (not rotated)."""
+
+    def __init__(self, head_dim: int, max_seq_len: int):
+        super().__init__()
+        n = head_dim // 4
+        freqs = torch.cat([(1 / 1024) ** torch.linspace(0, 1, n), torch.zeros(n)])
+        theta = torch.outer(torch.arange(max_seq_len, dtype=torch.float32), freqs)
+        self.register_buffer("cos", theta.cos(), persistent=False)
+        self.register_buffer("sin", theta.sin(), persistent=False)
+
+    def forward(self, x: Tensor) -> Tensor:  # (B, T, H, D)
+        cos, sin = self.cos[None, :x.size(1), None, :], self.sin[None, :x.size(1), None, :]
+        x1, x2 = x.float().chunk(2, dim=-1)
+        return torch.cat((x1 * cos + x2 * sin, x2 * cos - x1 * sin), dim=-1).type_as(x)
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, args: Hyperparameters, max_seq_len: int, uses_value_embed: bool):
+        super().__init__()
+        dim, hdim = args.model_dim, args.n_head * args.head_dim
+        self.n_head, self.head_dim, self.scale, self.qk_norm = args.n_head, args.head_dim, args.attn_scale, args.qk_norm
+        bound = math.sqrt(3) * 0.5 / math.sqrt(dim)
+        self.qkv_w = nn.Parameter(torch.empty(3, hdim, dim).uniform_(-bound, bound))  # Q, K, V kept apart for Muon
+        self.lambdas = nn.Parameter(torch.tensor([0.5, 0.5] if uses_value_embed else [0.5]))
+        self.rotary = Rotary(args.head_dim, max_seq_len)
+        self.c_proj = CastedLinear(hdim, dim, zero_init=args.zero_init)
+
+    def forward(self, x: Tensor, ve: Tensor | None, mask, backend) -> Tensor:
+        B, T = x.shape[:2]
+        qkv = F.linear(x, self.qkv_w.flatten(end_dim=1).type_as(x)).view(B, T, 3 * self.n_head, self.head_dim)
+        q, k, v = qkv.chunk(3, dim=-2)
+        if self.qk_norm:
+            q, k = rms_norm(q), rms_norm(k)
+        q, k = self.rotary(q), self.rotary(k)
+        v = self.lambdas[0] * v if ve is None else self.lambdas[0] * v + self.lambdas[1] * ve.view_as(v)
+        y = backend.attend(q, k, v, mask, self.scale)
+        return self.c_proj(y.reshape(B, T, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, args: Hyperparameters):
+        super().__init__()
+        self.c_fc = CastedLinear(args.model_dim, 4 * args.model_dim)
+        self.c_proj = CastedLinear(4 * args.model_dim, args.model_dim, zero_init=args.zero_init)
+        self.act = (lambda h: F.relu(h).square()) if args.mlp_act == "relu2" else F.gelu
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.c_proj(self.act(self.c_fc(x)))
+
+
+class Block(nn.Module):
+    def __init__(self, args: Hyperparameters, max_seq_len: int, has_attention: bool, uses_value_embed: bool):
+        super().__init__()
+        self.attn = CausalSelfAttention(args, max_seq_len, uses_value_embed) if has_attention else None
+        self.mlp = MLP(args)
+        self.lambdas = nn.Parameter(torch.tensor([1.0, 0.0]))  # mix of the stream and the embedding x0
+
+    def forward(self, x: Tensor, x0: Tensor, ve: Tensor | None, mask, backend) -> Tensor:
+        x = self.lambdas[0] * x + self.lambdas[1] * x0
+        if self.attn is not None:
+            x = x + self.attn(rms_norm(x), ve, mask, backend)
+        return x + self.mlp(rms_norm(x))
+
+
+def next_multiple(n: float, k: int) -> int:
+    return int(math.ceil(n / k) * k)
+
+
+class GPT(nn.Module):
+    def __init__(self, args: Hyperparameters, attention: str = "sdpa", fp8_head: bool = False):
+        super().__init__()
+        self.roles = LayerRoles.for_depth(args.n_layer, args.value_embeds)
+        self.backend = ATTENTION_BACKENDS[attention]
+        self.vocab_size, self.softcap, self.unet = args.vocab_size, args.logit_softcap, args.unet_skips
+        max_seq_len = max(args.seq_len, args.val_seq_len)
+        self.embed = nn.Embedding(args.vocab_size, args.model_dim)
+        self.value_embeds = nn.ModuleList(nn.Embedding(args.vocab_size, args.model_dim)
+                                          for _ in range(self.roles.n_value_embeds))
+        self.blocks = nn.ModuleList(
+            Block(args, max_seq_len, self.roles.attention[i], self.roles.value_embed[i] is not None)
+            for i in range(args.n_layer))
+        self.skip_weights = nn.Parameter(torch.ones(self.roles.n_encoder)) if args.unet_skips else None
+        self.lm_head = CastedLinear(args.model_dim, next_multiple(args.vocab_size, 128), zero_init=args.zero_init,
+                                    fp8=fp8_head)
+
+    def forward(self, tokens: Tensor, targets: Tensor, window_blocks: Tensor) -> Tensor:
+        """Mean cross-entropy of one flat sequence (T,) of documents; window_blocks is the long window."""
+        if tokens.numel() % BLOCK_SIZE:
+            raise UsageError(f"sequence length {tokens.numel()} is not a multiple of the {BLOCK_SIZE}-token block")
+        if not torch.compiler.is_compiling():
+            check_model_inputs(tokens, window_blocks, self.vocab_size)
+        masks = {True: self.backend.build_mask(tokens, window_blocks),
+                 False: self.backend.build_mask(tokens, torch.clamp_min(window_blocks // 2, 1))}
+        ve = [emb(tokens)[None] for emb in self.value_embeds]
+        x = x0 = rms_norm(self.embed(tokens)[None])
+        skips = []
+        for i, block in enumerate(self.blocks):
+            if self.unet and i >= self.roles.n_encoder:
+                x = x + self.skip_weights[i - self.roles.n_encoder] * skips.pop()
+            ve_i = self.roles.value_embed[i]
+            x = block(x, x0, None if ve_i is None else ve[ve_i], masks[self.roles.long_window[i]], self.backend)
+            if self.unet and i < self.roles.n_encoder:
+                skips.append(x)
+        logits = self.lm_head(rms_norm(x)).float()
+        if self.softcap > 0:
+            logits = self.softcap * torch.sigmoid(logits / (self.softcap / 4))  # 30 * sigmoid(z / 7.5)
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+
+
+def check_model_inputs(tokens: Tensor, window_blocks: Tensor, vocab_size: int) -> None:
+    """Eager-mode guards that would otherwise surface as a wrong mask or a device-side assert."""
+    if int(window_blocks) < 1:
+        raise UsageError(f"attention window of {int(window_blocks)} blocks is below one {BLOCK_SIZE}-token block")
+    top = int(tokens.max())
+    if top >= vocab_size or int(tokens.min()) < 0:
+        raise UsageError(f"token id {top if top >= vocab_size else int(tokens.min())} is outside the vocabulary "
+                         f"[0, {vocab_size})")
+
+
+def build_model(args: Hyperparameters, rt: Runtime) -> GPT:
+    """The model on its device: embeddings in the activation dtype, matrices and scalars in fp32."""
+    model = GPT(args, attention=rt.attention, fp8_head=rt.fp8_head).to(rt.device)
+    for module in model.modules():
+        if isinstance(module, nn.Embedding):
+            module.to(rt.dtype)
+    return model
+
+
+# -----------------------------------------------------------------------------
+# Optimizers: a reduce-scatter gradient loop feeding sharded Muon and Adam
+
+def newton_schulz(G: Tensor, steps: int = 5, eps: float = 1e-7) -> Tensor:
+    """Quintic Newton-Schulz iteration pushing every singular value of G towards 1, in bf16.
+
+    The coefficients trade exactness for speed: singular values land in a band around 1
+    (about [0.68, 1.13] for inputs that are not nearly singular), not on 1 exactly.
+    """
+    a, b, c = 3.4445, -4.7750, 2.0315
+    X = G.bfloat16()
+    tall = G.size(-2) > G.size(-1)
+    if tall:
+        X = X.mT
+    X = X / (X.norm(dim=(-2, -1), keepdim=True) + eps)
+    for _ in range(steps):
+        A = X @ X.mT
+        B = b * A + c * A @ A
+        X = a * X + B @ X
+    return X.mT if tall else X
+
+
+class Bucket:
+    """Parameters whose summed gradient is reduce-scattered as one tensor.
+
+    A Muon bucket holds world_size same-shape matrices (None pads the last one): rank r receives
+    matrix r's whole gradient. An Adam bucket holds one parameter: rank r receives slice r of it.
+    """
+
+    def __init__(self, params: list[nn.Parameter | None], muon: bool, world_size: int):
+        self.params, self.muon, self.world_size = params, muon, world_size
+        self.real = [p for p in params if p is not None]
+        numel = self.real[0].numel()
+        self.shard_numel = numel if muon else -(-numel // world_size)
+        self.ready = 0
+        self.work = None
+        self.shard: Tensor | None = None
+
+    def flat_grads(self) -> Tensor:
+        """The gradients to reduce, flattened; a missing gradient or padding slot counts as zero."""
+        def grad_or_zero(p: Tensor) -> Tensor:
+            return torch.zeros_like(p) if p.grad is None else p.grad
+        if self.muon:
+            ref = self.real[0]
+            return torch.stack([torch.zeros_like(ref) if p is None else grad_or_zero(p) for p in self.params]).flatten()
+        flat = grad_or_zero(self.real[0]).flatten()
+        padding = self.shard_numel * self.world_size - flat.numel()
+        return F.pad(flat, (0, padding)) if padding else flat
+
+
+class GradientSync:
+    """Launches each bucket's reduce-scatter from post-accumulate-grad hooks, overlapping backward.
+
+    Only the last micro-step of a gradient-accumulation step launches communication; the
+    optimizers then wait for exactly the bucket they update next.
+    """
+
+    def __init__(self, buckets: list[Bucket], world_size: int):
+        self.buckets, self.world_size = buckets, world_size
+        self.armed = False
+        self.bucket_of = {p: b for b in buckets for p in b.real}
+        self.launched: list[Bucket] = []
+        for p in self.bucket_of:
+            p.register_post_accumulate_grad_hook(self._on_grad_ready)
+
+    def arm(self, last_micro_step: bool) -> None:
+        self.armed = last_micro_step
+
+    def _on_grad_ready(self, p: Tensor) -> None:
+        if not self.armed:
+            return
+        bucket = self.bucket_of[p]
+        bucket.ready += 1
+        if bucket.ready == len(bucket.real):
+            self._launch(bucket)
+
+    def _launch(self, bucket: Bucket) -> None:
+        flat = bucket.flat_grads()
+        if self.world_size == 1:
+            bucket.shard = flat
+        else:
+            bucket.shard = flat.new_empty(bucket.shard_numel)
+            bucket.work = dist.reduce_scatter_tensor(bucket.shard, flat, op=dist.ReduceOp.SUM, async_op=True)
+        self.launched.append(bucket)
+
+    def finish(self) -> None:
+        """Launches buckets whose parameters got no gradient (a zero gradient, in a fixed order)."""
+        for bucket in self.buckets:
+            if bucket not in self.launched:
+                self._launch(bucket)
+        self.armed = False
+
+    def wait(self, bucket: Bucket, scale: float) -> Tensor:
+        """This rank's summed gradient shard for the bucket, in fp32, times scale."""
+        if bucket.work is not None:
+            bucket.work.wait()
+        shard = bucket.shard.float() * scale
+        bucket.work, bucket.shard, bucket.ready = None, None, 0
+        return shard
+
+    def reset(self) -> None:
+        self.launched.clear()
+
+
+def all_gather_flat(local: Tensor, world_size: int):
+    """Starts an all-gather of equal-size flat shards into one (world_size * n,) tensor."""
+    out = local.new_empty(world_size * local.numel())
+    return out, dist.all_gather_into_tensor(out, local, async_op=True)
+
+
+class Muon:
+    """MomentUm Orthogonalized by Newton-Schulz, for the hidden matrices.
+
+    Rank r owns matrix r of each bucket: it keeps that matrix's momentum, orthogonalises its
+    update, and the updated matrices are all-gathered.
+    """
+
+    def __init__(self, buckets: list[Bucket], rank: int, ns_steps: int, names: dict[Tensor, str]):
+        self.buckets, self.rank, self.ns_steps = buckets, rank, ns_steps
+        self.momentum_buffers: dict[int, Tensor] = {}
+        self.index_of = {names[b.params[rank]]: i for i, b in enumerate(buckets) if b.params[rank] is not None}
+
+    def owned(self, i: int) -> nn.Parameter | None:
+        return self.buckets[i].params[self.rank]
+
+    def step(self, sync: GradientSync, scale: float, lr: float, momentum: float) -> None:
+        gathers = []
+        for i, bucket in enumerate(self.buckets):
+            grad = sync.wait(bucket, scale)
+            p = self.owned(i)
+            if p is None:
+                new = torch.zeros(bucket.shard_numel, device=grad.device, dtype=bucket.real[0].dtype)
+            else:
+                grad = grad.view_as(p)
+                buf = self.momentum_buffers.setdefault(i, torch.zeros_like(grad))
+                buf.lerp_(grad, 1 - momentum)
+                update = newton_schulz(grad.lerp_(buf, momentum), self.ns_steps)  # Nesterov
+                shape_scale = max(1.0, p.size(-2) / p.size(-1)) ** 0.5
+                new = (p.detach() - (lr * shape_scale) * update.to(p.dtype)).flatten()
+            if bucket.world_size == 1:
+                p.data.copy_(new.view_as(p))
+            else:
+                gathers.append((bucket, *all_gather_flat(new, bucket.world_size)))
+        for bucket, out, work in gathers:
+            work.wait()
+            for j, p in enumerate(bucket.params):
+                if p is not None:
+                    p.data.copy_(out[j * bucket.shard_numel:(j + 1) * bucket.shard_numel].view_as(p))
+
+    def state_dict(self) -> dict:
+        """Momentum of the matrices this rank owns, keyed by parameter name."""
+        return {name: self.momentum_buffers[i] for name, i in self.index_of.items() if i in self.momentum_buffers}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.momentum_buffers = {self.index_of[name]: buf.clone() for name, buf in state.items()}
+
+
+class ShardedAdam:
+    """Adam for the rank-owned slice of each parameter, on an fp32 master copy of that slice.
+
+    The update itself is torch's fused AdamW (decoupled weight decay, zero for most groups)
+    over the master slices; the new slices are cast to the parameter dtype and all-gathered.
+    """
+
+    def __init__(self, groups: list[tuple[Bucket, float, float]], rank: int, betas: tuple[float, float],
+                 eps: float, names: dict[Tensor, str]):
+        self.buckets = [bucket for bucket, _, _ in groups]
+        self.rank = rank
+        self.names = [names[bucket.real[0]] for bucket in self.buckets]
+        self.masters = [self._owned_slice(bucket).float().clone() for bucket in self.buckets]
+        param_groups = [dict(params=[master], lr=lr, base_lr=lr, weight_decay=wd)
+                        for master, (_, lr, wd) in zip(self.masters, groups)]
+        fused = all(m.device.type in ("cpu", "cuda") for m in self.masters)
+        self.adam = torch.optim.AdamW(param_groups, betas=betas, eps=eps, fused=fused)
+
+    def _owned_slice(self, bucket: Bucket) -> Tensor:
+        flat = bucket.real[0].data.view(-1)
+        lo = min(self.rank * bucket.shard_numel, flat.numel())
+        return flat[lo:min(lo + bucket.shard_numel, flat.numel())]
+
+    def step(self, sync: GradientSync, scale: float, lr_mult: float) -> None:
+        for bucket, master in zip(self.buckets, self.masters):
+            master.grad = sync.wait(bucket, scale)[:master.numel()]
+        for group in self.adam.param_groups:
+            group["lr"] = group["base_lr"] * lr_mult
+        self.adam.step()
+        gathers = []
+        for bucket, master in zip(self.buckets, self.masters):
+            master.grad = None
+            p = bucket.real[0]
+            if bucket.world_size == 1:
+                p.data.view(-1).copy_(master)
+                continue
+            send = torch.zeros(bucket.shard_numel, dtype=p.dtype, device=p.device)
+            send[:master.numel()] = master
+            gathers.append((p, *all_gather_flat(send, bucket.world_size)))
+        for p, out, work in gathers:
+            work.wait()
+            p.data.view(-1).copy_(out[:p.numel()])
+
+    def state_dict(self) -> dict:
+        """This rank's master slices and Adam moments, keyed by parameter name."""
+        return {name: {"master": master, **self.adam.state.get(master, {})}
+                for name, master in zip(self.names, self.masters)}
+
+    def load_state_dict(self, state: dict) -> None:
+        for name, master in zip(self.names, self.masters):
+            saved = dict(state[name])
+            master.data.copy_(saved.pop("master"))
+            self.adam.state[master] = {k: v.clone() for k, v in saved.items()}
+
+
+@dataclass
+class Optimizers:
+    sync: GradientSync
+    muon: Muon | None
+    adam: ShardedAdam
+    scale: float  # 1 / sequences per global batch: the sum over ranks and micro-steps becomes a mean
+
+    def step(self, lr_mult: float, momentum: float, args: Hyperparameters) -> None:
+        self.sync.finish()
+        self.adam.step(self.sync, self.scale, lr_mult)
+        if self.muon is not None:
+            self.muon.step(self.sync, self.scale, args.muon_lr * lr_mult, momentum)
+        self.sync.reset()
+
+    def state_dict(self) -> dict:
+        return {"adam": self.adam.state_dict(), "muon": self.muon.state_dict() if self.muon else None}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.adam.load_state_dict(state["adam"])
+        if self.muon is not None:
+            self.muon.load_state_dict(state["muon"])
+
+
+def build_optimizers(model: GPT, args: Hyperparameters, rank: int, world_size: int, accum: int) -> Optimizers:
+    """Muon for matrices inside the blocks; Adam for head, embeddings and scalars (and matrices without Muon)."""
+    hidden = [p for p in model.blocks.parameters() if p.ndim >= 2]
+    embeds = [model.embed.weight, *(e.weight for e in model.value_embeds)]
+    scalars = [p for p in model.parameters() if p.ndim < 2]
+    adam_groups = [(model.lm_head.weight, args.head_lr, args.weight_decay)]
+    adam_groups += [(p, args.embed_lr, 0.0) for p in embeds] + [(p, args.scalar_lr, 0.0) for p in scalars]
+    muon_buckets = []
+    if args.muon:
+        by_shape: dict[tuple, list] = {}
+        for p in hidden:
+            by_shape.setdefault(tuple(p.shape), []).append(p)
+        for same in by_shape.values():
+            same = same + [None] * (-len(same) % world_size)
+            muon_buckets += [Bucket(same[i:i + world_size], True, world_size) for i in range(0, len(same), world_size)]
+    else:
+        adam_groups += [(p, args.matrix_adam_lr, args.weight_decay) for p in hidden]
+    adam_buckets = [(Bucket([p], False, world_size), lr, wd) for p, lr, wd in adam_groups]
+    assert sum(p.numel() for b, _, _ in adam_buckets for p in b.real) + sum(
+        p.numel() for b in muon_buckets for p in b.real) == sum(p.numel() for p in model.parameters())
+    sync = GradientSync([b for b, _, _ in adam_buckets] + muon_buckets, world_size)
+    names = {p: name for name, p in model.named_parameters()}
+    return Optimizers(sync=sync, muon=Muon(muon_buckets, rank, args.ns_steps, names) if args.muon else None,
+                      adam=ShardedAdam(adam_buckets, rank, (args.adam_beta1, args.adam_beta2), args.adam_eps, names),
+                      scale=1.0 / (world_size * accum))
+
+
+# -----------------------------------------------------------------------------
+# Schedules
+
+def lr_multiplier(step: int, num_iterations: int, cooldown_frac: float, final_frac: float) -> float:
+    """1 until the cooldown starts, then linear down to final_frac at the last step."""
+    progress = step / num_iterations
+    if progress < 1 - cooldown_frac:
+        return 1.0
+    w = (1 - progress) / cooldown_frac
+    return w + (1 - w) * final_frac
+
+
+def muon_momentum(step: int, warmup_steps: int, start: float, end: float) -> float:
+    frac = min(step / warmup_steps, 1.0) if warmup_steps > 0 else 1.0
+    return (1 - frac) * start + frac * end
+
+
+def window_blocks(step: int, args: Hyperparameters) -> int:
+    """Long-window size in blocks: grows linearly to window_final_tokens, rounded up to whole blocks."""
+    if not args.sliding_window:
+        return max(args.seq_len, args.val_seq_len) // BLOCK_SIZE
+    tokens = max(next_multiple(args.window_final_tokens * step / args.num_iterations, BLOCK_SIZE), BLOCK_SIZE)
+    return tokens // BLOCK_SIZE
+
+
+# -----------------------------------------------------------------------------
+# Run log, energy and profiling
+
+class RunLog:
+    """Rank 0's human-readable log: every line is flushed, so a crash never loses what was written."""
+
+    def __init__(self, path: Path | None):
+        self.path = path
+        self.file = None
+        if path is not None:
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                self.file = open(path, "a", encoding="utf-8")
+            except OSError as e:
+                raise UsageError(f"cannot open run log {path}: {e.strerror}; pick a writable --log_dir") from None
+
+    def write(self, line: str, echo: bool = True) -> None:
+        if self.path is None:
+            return
+        if echo:
+            print(line, flush=True)
+        try:
+            self.file.write(line + "\n")
+            self.file.flush()
+        except OSError as e:
+            raise UsageError(f"cannot write run log {self.path}: {e.strerror}; free disk space and resume "
+                             "from the last checkpoint") from None
+
+
+def environment_lines(rt: Runtime) -> list[str]:
+    lines = [f"python: {platform.python_version()}", f"torch: {torch.__version__}",
+             f"cuda: {torch.version.cuda if rt.is_cuda else 'n/a'}", f"device: {device_name(rt)}",
+             f"world_size: {rt.world_size}",
+             f"attention: {rt.attention} fp8_head: {rt.fp8_head} compile: {rt.compile} dtype: {rt.dtype}"]
+    try:
+        smi = subprocess.run(["nvidia-smi"], capture_output=True, text=True, timeout=20)
+        if smi.returncode == 0:
+            lines += ["nvidia-smi:", smi.stdout.rstrip()]
+    except (OSError, subprocess.TimeoutExpired):
+        pass
+    return lines
+
+
+def device_name(rt: Runtime) -> str:
+    if rt.is_cuda:
+        return torch.cuda.get_device_name(rt.device)
+    return f"cpu: {platform.processor() or platform.machine()} ({os.cpu_count()} cores)"
+
+
+def git_commit() -> str | None:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_DIR, capture_output=True, text=True, timeout=10)
+        return out.stdout.strip() if out.returncode == 0 else None
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+
+
+class NvmlCounter:
+    """NVIDIA's total-energy counter of one GPU (millijoules since driver load)."""
+    wrap_joules = None
+
+    def __init__(self, index: int, nvml=None):
+        if nvml is None:
+            import pynvml as nvml  # nvidia-ml-py, an optional extra
+        nvml.nvmlInit()
+        self.nvml, self.handle = nvml, nvml.nvmlDeviceGetHandleByIndex(index)
+
+    def read_joules(self) -> list[float]:
+        return [self.nvml.nvmlDeviceGetTotalEnergyConsumption(self.handle) / 1000.0]
+
+
+class RaplCounters:
+    """Intel RAPL package counters under /sys/class/powercap (microjoules, wrapping at max_energy_range_uj)."""
+
+    def __init__(self, root: Path):
+        self.domains = sorted(d for d in root.glob("intel-rapl:*") if d.name.count(":") == 1)
+        if not self.domains:
+            raise OSError(f"no RAPL package domains under {root}")
+        self.wrap_joules = [int((d / "max_energy_range_uj").read_text()) / 1e6 for d in self.domains]
+        self.read_joules()
+
+    def read_joules(self) -> list[float]:
+        return [int((d / "energy_uj").read_text()) / 1e6 for d in self.domains]
+
+
+class EnergyMeter:
+    """Joules this rank's counters add up while the clock runs; paused for validation.
+
+    On CPU only local rank 0 reads RAPL: the package counters cover every process on the node.
+    """
+
+    def __init__(self, counters, reason: str = ""):
+        self.counters, self.reason = counters, reason
+        self.joules, self.last = 0.0, None
+
+    @staticmethod
+    def open(rt: Runtime, powercap_root: Path = Path("/sys/class/powercap"), nvml=None) -> "EnergyMeter":
+        try:
+            if rt.is_cuda:
+                return EnergyMeter(NvmlCounter(rt.device.index or 0, nvml))
+            if rt.local_rank != 0:
+                return EnergyMeter(None, "counted by local rank 0")
+            return EnergyMeter(RaplCounters(powercap_root))
+        except ImportError:
+            return EnergyMeter(None, "nvidia-ml-py is not installed (pip install -r requirements-extras.txt)")
+        except Exception as e:  # NVML and sysfs fail in many ways (no permission, no driver support)
+            return EnergyMeter(None, f"energy counters unreadable: {e}")
+
+    def start(self) -> None:
+        if self.counters is not None:
+            self.last = self.counters.read_joules()
+
+    def stop(self) -> None:
+        if self.counters is None or self.last is None:
+            return
+        now = self.counters.read_joules()
+        wraps = self.counters.wrap_joules or [None] * len(now)
+        for before, after, wrap in zip(self.last, now, wraps):
+            delta = after - before
+            self.joules += delta + wrap if delta < 0 and wrap else delta
+        self.last = None
+
+    def total(self, rt: Runtime) -> tuple[float | None, int]:
+        """(joules summed over ranks, ranks that measured), or (None, 0) when no rank could measure."""
+        measured = torch.tensor([self.joules, float(self.counters is not None)], dtype=torch.float64,
+                                device=rt.device)
+        if rt.world_size > 1:
+            dist.all_reduce(measured)
+        joules, ranks = measured.tolist()
+        return (joules, int(ranks)) if ranks else (None, 0)
+
+
+def energy_line(joules: float | None, ranks: int, reason: str, train_s: float, tokens: int) -> str:
+    if joules is None:
+        return f"energy: n/a ({reason or 'no rank could read an energy counter'})"
+    kwh = joules / 3.6e6
+    power = joules / max(train_s, 1e-9) / max(ranks, 1)
+    per_kwh = f"{tokens / kwh:.3e}" if kwh > 0 else "n/a"
+    return f"energy: {joules:.1f} J ({kwh:.6f} kWh) mean_power:{power:.1f}W/device tokens_per_kWh:{per_kwh}"
+
+
+def make_profiler(args: Hyperparameters, rt: Runtime, trace_path: Path):
+    """Records args.profile_steps training steps (after one skipped and one warm-up step) as a Chrome trace."""
+    from torch.profiler import ProfilerActivity, profile, schedule
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if rt.is_cuda else [])
+    return profile(activities=activities, schedule=schedule(wait=1, warmup=1, active=args.profile_steps, repeat=1),
+                   on_trace_ready=lambda prof: prof.export_chrome_trace(str(trace_path)))
+
+
+# -----------------------------------------------------------------------------
+# Checkpoints: exact resume, written atomically
+
+MODEL_SHAPE_FIELDS = ("vocab_size", "n_layer", "model_dim", "n_head", "head_dim", "value_embeds", "unet_skips")
+CHECKPOINT_META = "checkpoint.json"
+
+
+def source_sha256() -> str:
+    return hashlib.sha256(Path(__file__).read_bytes()).hexdigest()
+
+
+def training_state(model: GPT, opt: Optimizers, stream: TokenStream, step: int) -> dict:
+    """Everything a rank needs to continue exactly: weights, its optimizer shards, data position, RNG."""
+    rng = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        rng["cuda"] = torch.cuda.get_rng_state()
+    return {"step": step, "model": model.state_dict(), "optimizers": opt.state_dict(), "loader": stream.state(),
+            "rng": rng}
+
+
+def restore_training_state(state: dict, model: GPT, opt: Optimizers, stream: TokenStream) -> int:
+    with torch.no_grad():
+        for name, tensor in model.state_dict().items():
+            tensor.copy_(state["model"][name])
+    opt.load_state_dict(state["optimizers"])
+    stream.load_state(state["loader"])
+    torch.set_rng_state(state["rng"]["cpu"])
+    if "cuda" in state["rng"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["rng"]["cuda"])
+    return state["step"]
+
+
+def checkpoint_root(args: Hyperparameters, run_id: str) -> Path:
+    return Path(args.log_dir) / run_id
+
+
+def complete_checkpoints(root: Path) -> list[Path]:
+    """Finished checkpoints (those with their metadata file) under root, oldest step first."""
+    return sorted((d for d in root.glob("step_*") if (d / CHECKPOINT_META).is_file()), key=lambda d: d.name)
+
+
+def ranks_agree(ok: bool, rt: Runtime) -> bool:
+    """True when ok holds on every rank (a barrier that also carries a failure)."""
+    if rt.world_size == 1:
+        return ok
+    flag = torch.tensor([0 if ok else 1], device=rt.device)
+    dist.all_reduce(flag)
+    return flag.item() == 0
+
+
+def save_checkpoint(state: dict, args: Hyperparameters, rt: Runtime, run_id: str, log: RunLog) -> Path:
+    """Each rank writes its file into step_N.tmp/, then rank 0 adds the metadata and renames the folder.
+
+    A failed write (a full disk, say) leaves every earlier checkpoint untouched.
+    """
+    root = checkpoint_root(args, run_id)
+    final = root / f"step_{state['step']:06d}"
+    staging = root / (final.name + ".tmp")
+    started = time.perf_counter()
+    error = ""
+    try:
+        staging.mkdir(parents=True, exist_ok=True)
+        target = staging / f"rank{rt.rank}.pt"
+        torch.save(state, str(target) + ".part")
+        os.replace(str(target) + ".part", target)
+    except OSError as e:
+        error = e.strerror or str(e)
+    if not ranks_agree(not error, rt):
+        if rt.is_master:
+            import shutil
+            shutil.rmtree(staging, ignore_errors=True)
+        previous = complete_checkpoints(root)
+        raise UsageError(f"cannot write checkpoint {final} ({error or 'failed on another rank'}); "
+                         f"previous checkpoint {previous[-1] if previous else '(none)'} is intact; free disk space")
+    if rt.is_master:
+        import shutil
+        meta = {"run_id": run_id, "step": state["step"], "world_size": rt.world_size,
+                "source_sha256": source_sha256(), "hyperparameters": dataclasses.asdict(args)}
+        (staging / CHECKPOINT_META).write_text(json.dumps(meta, indent=1))
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(staging, final)
+        for old in complete_checkpoints(root)[:-max(args.checkpoint_keep, 1)]:
+            shutil.rmtree(old, ignore_errors=True)
+        size = sum(f.stat().st_size for f in final.iterdir())
+        log.write(f"checkpoint: {final} step:{state['step']} size:{size / 2**20:.1f}MiB "
+                  f"write_time:{time.perf_counter() - started:.2f}s")
+    ranks_agree(True, rt)
+    return final
+
+
+def find_checkpoint(args: Hyperparameters) -> Path:
+    """The folder --resume names; 'latest' is the newest finished checkpoint of any run under log_dir."""
+    if args.resume == "latest":
+        found = [c for run in Path(args.log_dir).glob("*") if run.is_dir() for c in complete_checkpoints(run)]
+        if not found:
+            raise UsageError(f"--resume=latest: no finished checkpoint under {args.log_dir}/; "
+                             "train with --checkpoint_every=N first")
+        return max(found, key=lambda c: (c.stat().st_mtime, c.name))
+    path = Path(args.resume)
+    if not (path / CHECKPOINT_META).is_file():
+        what = "not found" if not path.exists() else f"incomplete (no {CHECKPOINT_META})"
+        raise UsageError(f"checkpoint {path} is {what}; pass a step_N folder or --resume=latest")
+    return path
+
+
+def load_checkpoint(path: Path, args: Hyperparameters, rt: Runtime, log: RunLog) -> dict:
+    """This rank's state from a checkpoint folder, refused when model shape or world size differ."""
+    meta = json.loads((path / CHECKPOINT_META).read_text())
+    for name in MODEL_SHAPE_FIELDS:
+        if meta["hyperparameters"][name] != getattr(args, name):
+            raise UsageError(f"checkpoint {path} has {name}={meta['hyperparameters'][name]} but this run has "
+                             f"{name}={getattr(args, name)}; pass the same model flags to resume it")
+    if meta["world_size"] != rt.world_size:
+        raise UsageError(f"checkpoint {path} was written by {meta['world_size']} ranks, this run has "
+                         f"{rt.world_size}; resume with --nproc_per_node={meta['world_size']} (optimizer state "
+                         "is sharded per rank)")
+    if meta["source_sha256"] != source_sha256():
+        log.write(f"warning: train_gpt.py changed since checkpoint {path} was written")
+    file = path / f"rank{rt.rank}.pt"
+    try:
+        return torch.load(file, map_location=rt.device, weights_only=True)
+    except Exception as e:  # truncated or corrupt files fail inside the unpickler in many ways
+        raise UsageError(f"checkpoint file {file} is unreadable ({type(e).__name__}); it is truncated or "
+                         "corrupt: resume from an earlier checkpoint") from None
+
+
+class StopSignal:
+    """SIGTERM/SIGINT: the first asks the run to stop after the current step; a second exits at once."""
+
+    def __init__(self):
+        self.signum: int | None = None
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        if self.signum is not None:
+            os._exit(128 + signum)
+        self.signum = signum
+
+    def agreed(self, rt: Runtime, collective: bool) -> int | None:
+        """The signal if this rank (or, with collective, any rank) got one."""
+        if not collective or rt.world_size == 1:
+            return self.signum
+        got = torch.tensor([self.signum or 0], device=rt.device)
+        dist.all_reduce(got, op=dist.ReduceOp.MAX)
+        return int(got.item()) or None
+
+
+# -----------------------------------------------------------------------------
+# Training loop
+
+@torch.no_grad()
+def evaluate(model, val_seqs: list[np.ndarray], window: Tensor, rt: Runtime) -> float:
+    """Mean loss over the whole validation budget (every sequence has the same length), across ranks."""
+    model.eval()
+    total = torch.zeros((), dtype=torch.float64, device=rt.device)
+    for seq in val_seqs:
+        total += model(*to_device(seq, rt.device), window).double()
+    stats = torch.stack([total, torch.tensor(float(len(val_seqs)), dtype=torch.float64, device=rt.device)])
+    if rt.world_size > 1:
+        dist.all_reduce(stats)
+    model.train()
+    return (stats[0] / stats[1]).item()
+
+
+def mean_over_ranks(value: Tensor, rt: Runtime) -> float:
+    value = value.detach().double()
+    if rt.world_size > 1:
+        dist.all_reduce(value)
+        value /= rt.world_size
+    return value.item()
+
+
+def peak_memory_mib(rt: Runtime) -> tuple[float, str]:
+    if rt.is_cuda:
+        allocated = torch.cuda.max_memory_allocated(rt.device) / 2**20
+        reserved = torch.cuda.max_memory_reserved(rt.device) / 2**20
+        return allocated, f"peak memory allocated: {allocated:.0f} MiB reserved: {reserved:.0f} MiB"
+    import resource
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return rss, f"peak memory: {rss:.0f} MiB (rank 0 process max RSS; no device memory on CPU)"
+
+
+def new_run_id(args: Hyperparameters, rt: Runtime) -> str:
+    run_id = args.run_id or f"{time.strftime('%Y%m%d-%H%M%S')}_{args.preset}_{uuid.uuid4().hex[:6]}"
+    if rt.world_size > 1:
+        shared = [run_id]
+        dist.broadcast_object_list(shared, src=0)
+        run_id = shared[0]
+    return run_id
+
+
+def train(argv: list[str]) -> int:
+    args = parse_args(argv, torch.cuda.is_available())
+    rt = setup_runtime(args)
+    if rt.is_master and args.preset == "cpu" and not torch.cuda.is_available() and \
+            not any(a.startswith("--preset") for a in argv):
+        print("no GPU found: running the cpu preset (small model, bundled sample data); "
+              "pass --preset=speedrun to force the reference recipe", flush=True)
+    accum = gradient_accumulation(args, rt.world_size)
+    checkpoint = find_checkpoint(args) if args.resume else None
+    run_id = new_run_id(args, rt)
+    log = RunLog(Path(args.log_dir) / f"{run_id}.txt" if rt.is_master else None)
+
+    log.write("==== train_gpt.py ====", echo=False)
+    log.write(Path(__file__).read_text(), echo=False)
+    log.write("==== end of train_gpt.py ====", echo=False)
+    log.write("hyperparameters:", echo=False)
+    for name, value in dataclasses.asdict(args).items():
+        log.write(f"  {name} = {value}", echo=False)
+    log.write(f"  (derived) grad_accum_steps = {accum}", echo=False)
+    for line in environment_lines(rt) if rt.is_master else []:
+        log.write(line, echo=False)
+    log.write(f"run {run_id}: preset {args.preset}, {rt.world_size} rank(s) x {accum} micro-step(s), "
+              f"{device_name(rt)}, attention {rt.attention}, fp8 head {rt.fp8_head}, compile {rt.compile}")
+
+    train_files = find_shards(args.train_files, "training")
+    val_files = find_shards(args.val_files, "validation")
+    for f in train_files:
+        shard_token_count(f)
+    val_seqs = validation_sequences(val_files, args, rt.rank, rt.world_size)
+
+    torch.manual_seed(args.seed)
+    model = build_model(args, rt)
+    compiled = torch.compile(model, dynamic=False) if rt.compile else model
+    opt = build_optimizers(model, args, rt.rank, rt.world_size, accum)
+    stream = TokenStream(train_files, args.vocab_size, cycle=args.train_cycle)
+    loader = DistributedTokenLoader(stream, args.seq_len, rt.rank, rt.world_size, accum, args.bos_align, rt.device)
+    window_of = lambda step: torch.tensor(window_blocks(step, args), dtype=torch.int64).to(rt.device)
+
+    def train_step(step: int) -> Tensor:
+        window = window_of(step)
+        losses = []
+        for i, (x, y) in enumerate(loader.next_batch()):
+            opt.sync.arm(i == accum - 1)
+            loss = compiled(x, y, window)
+            loss.backward()
+            losses.append(loss.detach())
+        opt.step(lr_multiplier(step, args.num_iterations, args.cooldown_frac, args.lr_final_frac),
+                 muon_momentum(step, args.muon_momentum_warmup_steps, args.muon_momentum_start, args.muon_momentum),
+                 args)
+        model.zero_grad(set_to_none=False)  # reusing gradient buffers saves re-allocating them every step
+        return torch.stack(losses).mean()
+
+    if args.warmup_steps > 0:  # compile and warm kernels on real shapes, then forget it happened
+        snapshot = __import__("copy").deepcopy(training_state(model, opt, stream, 0))
+        for step in range(args.warmup_steps):
+            train_step(step)
+        evaluate(compiled, val_seqs[:1], window_of(0), rt)
+        restore_training_state(snapshot, model, opt, stream)
+        del snapshot
+    start_step = 0
+    if checkpoint is not None:
+        start_step = restore_training_state(load_checkpoint(checkpoint, args, rt, log), model, opt, stream)
+        log.write(f"resumed from {checkpoint} at step {start_step}")
+
+    energy = EnergyMeter.open(rt)
+    stop = StopSignal()
+    checkpointing = args.checkpoint_every > 0 or args.checkpoint_final or args.stop_after > 0
+    profiler = make_profiler(args, rt, Path(args.log_dir) / f"{run_id}_rank{rt.rank}.trace.json") \
+        if args.profile_steps > 0 else None
+    if profiler is not None:
+        profiler.start()
+    val_curve, val_loss, tokens = [], float("nan"), 0
+    training_ms = 0.0
+    rt.synchronize()
+    t0 = time.perf_counter()
+    energy.start()
+    N = args.num_iterations
+    for step in range(start_step, N + 1):
+        last = step == N
+        tokens = step * args.batch_tokens
+        if last or (args.val_every > 0 and step % args.val_every == 0):
+            rt.synchronize()
+            training_ms += 1000 * (time.perf_counter() - t0)
+            energy.stop()
+            val_loss = evaluate(compiled, val_seqs, window_of(step), rt)
+            val_curve.append([step, val_loss, training_ms])
+            joules, _ = energy.total(rt)
+            extra = f" energy:{joules:.0f}J" if joules is not None else ""
+            log.write(f"step:{step}/{N} val_loss:{val_loss:.4f} train_time:{training_ms:.0f}ms "
+                      f"step_avg:{training_ms / max(step - start_step, 1):.2f}ms{extra}")
+            if not math.isfinite(val_loss):
+                raise UsageError(f"validation loss is {val_loss} at step {step}; the run diverged "
+                                 "(lower the learning rates, or resume from an earlier checkpoint)")
+            rt.synchronize()
+            t0 = time.perf_counter()
+            energy.start()
+        if last:
+            break
+        signum = stop.agreed(rt, collective=checkpointing)
+        due = args.checkpoint_every > 0 and step > start_step and step % args.checkpoint_every == 0
+        if due or signum or (args.stop_after and step == args.stop_after):
+            training_ms += 1000 * (time.perf_counter() - t0)
+            energy.stop()
+            if checkpointing:
+                save_checkpoint(training_state(model, opt, stream, step), args, rt, run_id, log)
+            if signum:
+                log.write(f"stopped by signal {signal.Signals(signum).name} before step {step + 1}"
+                          + ("; resume with --resume=latest" if checkpointing else " (no checkpoints enabled)"))
+                return 128 + signum
+            if args.stop_after and step == args.stop_after:
+                log.write(f"stopped after step {step} as asked (--stop_after); resume with --resume=latest")
+                return 0
+            t0 = time.perf_counter()
+            energy.start()
+        loss = train_step(step)
+        if profiler is not None:
+            profiler.step()
+        now_ms = training_ms + 1000 * (time.perf_counter() - t0)
+        avg = f"step_avg:{now_ms / (step + 1 - start_step):.2f}ms"
+        if args.log_train_loss:
+            train_loss = mean_over_ranks(loss, rt)
+            if not math.isfinite(train_loss):
+                raise UsageError(f"training loss is {train_loss} at step {step + 1}; stopping (lower the learning "
+                                 "rates, or resume from the last good checkpoint)")
+            log.write(f"step:{step + 1}/{N} train_loss:{train_loss:.4f} train_time:{now_ms:.0f}ms {avg}")
+        else:
+            log.write(f"step:{step + 1}/{N} train_time:{now_ms:.0f}ms {avg}")
+    if profiler is not None:
+        profiler.stop()
+
+    peak_mib, memory_line = peak_memory_mib(rt)
+    joules, ranks = energy.total(rt)
+    log.write(memory_line)
+    log.write(energy_line(joules, ranks, energy.reason, training_ms / 1000, tokens))
+    log.write(f"final: val_loss:{val_loss:.4f} steps:{N} tokens:{tokens} train_time:{training_ms:.0f}ms")
+    if args.checkpoint_final:
+        save_checkpoint(training_state(model, opt, stream, N), args, rt, run_id, log)
+    if rt.is_master:
+        kwh = joules / 3.6e6 if joules is not None else None
+        summary = {"run_id": run_id, "git_commit": git_commit(), "preset": args.preset,
+                   "world_size": rt.world_size, "devices": [device_name(rt)] * rt.world_size, "steps": N,
+                   "tokens": tokens, "final_val_loss": val_loss, "train_time_ms": training_ms,
+                   "peak_memory_mib": peak_mib, "energy_j": joules, "energy_kwh": kwh,
+                   "tokens_per_kwh": tokens / kwh if kwh else None, "val_curve": val_curve,
+                   "hyperparameters": dataclasses.asdict(args), "status": "finished"}
+        summary_path = Path(args.log_dir) / f"{run_id}.json"
+        try:
+            summary_path.with_suffix(".json.part").write_text(json.dumps(summary, indent=1))
+            os.replace(summary_path.with_suffix(".json.part"), summary_path)
+        except OSError as e:
+            raise UsageError(f"cannot write {summary_path}: {e.strerror}; the run log {log.path} is complete") from None
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        return train(sys.argv[1:] if argv is None else argv)
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return 2
+    except dist.DistError as e:
+        print(f"error: a collective failed on rank {os.environ.get('RANK', '0')} ({str(e).splitlines()[0]}); "
+              "another rank probably died or timed out: see its output", file=sys.stderr, flush=True)
+        return 3
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
