@@ -126,7 +126,7 @@ PRESETS = {
         train_files="data/sample/sotu_train_*.bin",
         val_files="data/sample/sotu_val_*.bin",
         val_tokens=16384,
-        batch_tokens=4096,
+        batch_tokens=2048,
         seq_len=1024,
         val_seq_len=2048,
         num_iterations=60,
@@ -791,7 +791,7 @@ class GradientSync:
             bucket.shard = flat
         else:
             bucket.shard = flat.new_empty(bucket.shard_numel)
-            bucket.work = dist.reduce_scatter_tensor(bucket.shard, flat, op=dist.ReduceOp.SUM, async_op=True)
+            bucket.work = REDUCE_SCATTER_FLAT(bucket.shard, flat, op=dist.ReduceOp.SUM, async_op=True)
         self.launched.append(bucket)
 
     def finish(self) -> None:
@@ -813,10 +813,15 @@ class GradientSync:
         self.launched.clear()
 
 
+# torch 2.13 renamed the flat collectives; 2.11 only has the old names.
+ALL_GATHER_FLAT = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+REDUCE_SCATTER_FLAT = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+
+
 def all_gather_flat(local: Tensor, world_size: int):
     """Starts an all-gather of equal-size flat shards into one (world_size * n,) tensor."""
     out = local.new_empty(world_size * local.numel())
-    return out, dist.all_gather_into_tensor(out, local, async_op=True)
+    return out, ALL_GATHER_FLAT(out, local, async_op=True)
 
 
 class Muon:

@@ -1,0 +1,46 @@
+"""Shared helpers for tests that run train_gpt.py end to end (tiny shapes, the bundled sample)."""
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+# A model small enough that a step takes well under a second on 2 cores, on the bundled sample.
+TINY = ["--preset=cpu", "--n_layer=2", "--model_dim=64", "--n_head=2", "--head_dim=32", "--seq_len=256",
+        "--batch_tokens=512", "--val_seq_len=256", "--val_tokens=512", "--num_iterations=4", "--val_every=2",
+        "--warmup_steps=0", "--log_train_loss=true"]
+
+
+def run_trainer(args, log_dir, nproc=None, driver=None, timeout=300, env=None):
+    """Runs train_gpt.py (or a driver script) in a subprocess, under torchrun when nproc is given."""
+    script = str(driver or REPO / "train_gpt.py")
+    cmd = [sys.executable, script] if nproc is None else [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", script]
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    return subprocess.run(cmd + list(args) + [f"--log_dir={log_dir}"], cwd=REPO, capture_output=True, text=True,
+                          timeout=timeout, env=full_env)
+
+
+def train_losses(text):
+    """{step: train_loss} from step lines."""
+    return {int(m[1]): float(m[2]) for m in re.finditer(r"^step:(\d+)/\d+ train_loss:(\S+) ", text, re.M)}
+
+
+def val_losses(text):
+    return {int(m[1]): float(m[2]) for m in re.finditer(r"^step:(\d+)/\d+ val_loss:(\S+) ", text, re.M)}
+
+
+def only_log(log_dir):
+    logs = sorted(Path(log_dir).glob("*.txt"))
+    assert len(logs) == 1, logs
+    return logs[0]
+
+
+@pytest.fixture
+def tiny():
+    return list(TINY)

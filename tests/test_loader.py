@@ -1,0 +1,158 @@
+"""Data section of train_gpt.py: shard validation, the token stream and the per-rank batch split."""
+import numpy as np
+import pytest
+import torch
+
+import train_gpt as T
+
+VOCAB = 50257
+
+
+def write_shard(path, tokens, magic=20240520, version=1, count=None):
+    header = np.zeros(256, dtype="<i4")
+    header[:3] = magic, version, len(tokens) if count is None else count
+    path.write_bytes(header.tobytes() + np.asarray(tokens, dtype="<u2").tobytes())
+    return path
+
+
+def doc_tokens(n, seed=0, mean_doc=40):
+    """n tokens of documents that each start with EOT, other ids random below the EOT id."""
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(0, T.EOT_TOKEN, n)
+    tokens[0] = T.EOT_TOKEN
+    tokens[rng.random(n) < 1 / mean_doc] = T.EOT_TOKEN
+    return tokens
+
+
+def test_shard_token_count_reads_a_valid_header(tmp_path):
+    assert T.shard_token_count(write_shard(tmp_path / "a.bin", range(1000))) == 1000
+
+
+@pytest.mark.parametrize("case, message", [
+    ("magic", "magic"), ("version", "version"), ("truncated", "truncated"), ("short_header", "truncated"),
+    ("token", "token id 50300"),
+])
+def test_bad_shards_give_a_clear_error_naming_the_file(tmp_path, case, message):
+    path = tmp_path / f"{case}.bin"
+    if case == "magic":
+        write_shard(path, range(10), magic=12345)
+    elif case == "version":
+        write_shard(path, range(10), version=7)
+    elif case == "truncated":
+        write_shard(path, range(10), count=20)
+    elif case == "short_header":
+        path.write_bytes(b"\0" * 100)
+    else:
+        write_shard(path, [1, 2, 50300, 4])
+    with pytest.raises(T.UsageError) as err:
+        T.load_shard(path, VOCAB)
+    assert str(path) in str(err.value) and message in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+def test_empty_glob_names_the_pattern_and_the_download_command(tmp_path):
+    with pytest.raises(T.UsageError) as err:
+        T.find_shards(str(tmp_path / "fineweb_train_*.bin"), "training")
+    assert "fineweb_train_*.bin" in str(err.value) and "cached_fineweb10B.py" in str(err.value)
+
+
+def test_relative_globs_also_resolve_against_the_repository(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    found = T.find_shards("data/sample/sotu_val_*.bin", "validation")
+    assert [p.name for p in found] == ["sotu_val_000000.bin"]
+
+
+def global_layout(files, seq_len, n_seqs, bos_align=False):
+    stream = T.TokenStream(files, VOCAB, cycle=False)
+    return [np.array(stream.take(seq_len, bos_align)) for _ in range(n_seqs)]
+
+
+@pytest.mark.parametrize("world_size, accum", [(1, 4), (2, 2), (4, 1)])
+def test_rank_slices_are_disjoint_and_cover_the_global_batch(tmp_path, world_size, accum):
+    tokens = np.arange(5000) % 50000  # every position distinguishable
+    files = [write_shard(tmp_path / "s1.bin", tokens[:2600]), write_shard(tmp_path / "s2.bin", tokens[2600:])]
+    seq_len, steps = 128, 3
+    expected = global_layout(files, seq_len, world_size * accum * steps)
+    per_rank = []
+    for rank in range(world_size):
+        loader = T.DistributedTokenLoader(T.TokenStream(files, VOCAB, False), seq_len, rank, world_size, accum,
+                                          False, torch.device("cpu"))
+        per_rank.append([loader.next_batch() for _ in range(steps)])
+    seen = []
+    for step in range(steps):
+        chunk_of = {}
+        for rank in range(world_size):
+            batch = per_rank[rank][step]
+            assert len(batch) == accum
+            for micro, (x, y) in enumerate(batch):
+                assert torch.equal(x[1:], y[:-1])  # targets are the inputs shifted by one
+                chunk_of[micro * world_size + rank] = torch.cat([x, y[-1:]]).numpy()
+        assert sorted(chunk_of) == list(range(world_size * accum))
+        for i in range(world_size * accum):
+            np.testing.assert_array_equal(chunk_of[i], expected[step * world_size * accum + i])
+            seen.append(tuple(chunk_of[i][:-1]))
+    assert len(set(seen)) == len(seen)  # no sequence repeats: rank slices are disjoint
+    flat = np.concatenate([np.array(s) for s in seen])
+    assert len(np.unique(flat)) == len(flat)  # and no token is used twice as an input
+
+
+def test_bos_alignment_starts_every_sequence_at_a_document(tmp_path):
+    files = [write_shard(tmp_path / "s.bin", doc_tokens(20000, seed=3))]
+    loader = T.DistributedTokenLoader(T.TokenStream(files, VOCAB, False), 256, 1, 2, 2, True, torch.device("cpu"))
+    for _ in range(5):
+        for x, _ in loader.next_batch():
+            assert x[0].item() == T.EOT_TOKEN
+
+
+def test_running_out_of_data_is_an_error_unless_cycling_is_asked_for(tmp_path):
+    files = [write_shard(tmp_path / "s.bin", np.arange(1000))]
+    stream = T.TokenStream(files, VOCAB, cycle=False)
+    for _ in range(3):
+        stream.take(256)
+    with pytest.raises(T.UsageError, match="--train_cycle=true"):
+        stream.take(256)
+    cycling = T.TokenStream(files, VOCAB, cycle=True)
+    first = [np.array(cycling.take(256)) for _ in range(3)]
+    again = np.array(cycling.take(256))
+    assert cycling.epoch == 1
+    np.testing.assert_array_equal(again, first[0])
+
+
+def test_stream_state_round_trip_resumes_at_the_same_tokens(tmp_path):
+    files = [write_shard(tmp_path / "a.bin", np.arange(700)), write_shard(tmp_path / "b.bin", np.arange(700, 1500))]
+    stream = T.TokenStream(files, VOCAB, cycle=False)
+    for _ in range(3):
+        stream.take(200)
+    state = stream.state()
+    expected = [np.array(stream.take(200)) for _ in range(2)]
+    restored = T.TokenStream(files, VOCAB, cycle=False)
+    restored.load_state(state)
+    for e in expected:
+        np.testing.assert_array_equal(np.array(restored.take(200)), e)
+
+
+def test_validation_split_over_ranks_covers_the_budget_once(tmp_path):
+    files = [write_shard(tmp_path / "v.bin", np.arange(3000))]
+    args = T.Hyperparameters(val_tokens=2048, val_seq_len=256)
+    whole = T.validation_sequences(files, args, 0, 1)
+    assert len(whole) == 8
+    split = [T.validation_sequences(files, args, r, 3) for r in range(3)]
+    assert sorted(tuple(s) for part in split for s in part) == sorted(tuple(s) for s in whole)
+    too_much = T.Hyperparameters(val_tokens=4096, val_seq_len=256)
+    with pytest.raises(T.UsageError, match="lower --val_tokens"):
+        T.validation_sequences(files, too_much, 0, 1)
+
+
+def test_loader_throughput_is_printed(tmp_path, capsys):
+    """Not a timed assertion: prints tokens/s of the loader for the closing note and benchmarks."""
+    import time
+    files = [write_shard(tmp_path / "big.bin", doc_tokens(4_000_000, seed=1))]
+    loader = T.DistributedTokenLoader(T.TokenStream(files, VOCAB, False), 48 * 1024, 0, 1, 8, False,
+                                      torch.device("cpu"))
+    start, tokens = time.perf_counter(), 0
+    for _ in range(8):
+        tokens += sum(x.numel() for x, _ in loader.next_batch())
+    rate = tokens / (time.perf_counter() - start)
+    with capsys.disabled():
+        print(f"\nloader throughput: {rate / 1e6:.1f}M tokens/s (one process, CPU tensors)")
+    assert tokens == 8 * 8 * 48 * 1024

@@ -1,0 +1,141 @@
+"""Training loop of train_gpt.py end to end: world-size equivalence, the run log, bad input."""
+import json
+import math
+import textwrap
+
+import pytest
+import torch
+
+from conftest import REPO, only_log, run_trainer, train_losses, val_losses
+
+# Losses agree across world sizes up to float summation order (bf16 gradients reduced in a
+# different order). A missing average halves or doubles the step; a wrong shard trains on other
+# tokens: both move the losses by far more than this.
+WORLD_SIZE_TOLERANCE = 2e-3
+# Relative L2 error of every optimizer moment between 1 and 2 ranks (bf16 embedding gradients).
+STATE_TOLERANCE = 2e-2
+
+
+def test_cpu_run_writes_a_complete_log_and_summary(tmp_path, tiny):
+    result = run_trainer(tiny + ["--run_id=tiny"], tmp_path)
+    assert result.returncode == 0, result.stderr
+    log = (tmp_path / "tiny.txt").read_text()
+    source = (REPO / "train_gpt.py").read_text()
+    assert "==== train_gpt.py ====\n" + source in log
+    for line in ["  n_layer = 2", "  model_dim = 64", "  preset = cpu", "  seed = 0", "  muon_lr = 0.05",
+                 "  (derived) grad_accum_steps = 2", "world_size: 1", "torch: "]:
+        assert line in log
+    assert sorted(train_losses(log)) == [1, 2, 3, 4]
+    vals = val_losses(log)
+    assert sorted(vals) == [0, 2, 4] and abs(vals[0] - math.log(50304)) < 1e-3
+    assert "final: val_loss:" in log and "energy: " in log and "peak memory" in log
+    summary = json.loads((tmp_path / "tiny.json").read_text())
+    assert summary["status"] == "finished" and summary["steps"] == 4 and summary["tokens"] == 4 * 512
+    assert [row[0] for row in summary["val_curve"]] == [0, 2, 4]
+    assert summary["final_val_loss"] == pytest.approx(vals[4], abs=1e-4)
+    assert summary["hyperparameters"]["n_layer"] == 2
+
+
+def test_same_seed_gives_the_same_losses(tmp_path, tiny):
+    runs = [run_trainer(tiny + [f"--run_id=r{i}", "--num_iterations=2", "--val_every=0"], tmp_path) for i in range(2)]
+    assert all(r.returncode == 0 for r in runs)
+    first, second = (train_losses((tmp_path / f"r{i}.txt").read_text()) for i in range(2))
+    assert first == second and len(first) == 2
+
+
+DRIVER = textwrap.dedent('''
+    """Runs train_gpt.main with one deliberate fault, to prove the equivalence test catches it."""
+    import sys
+    sys.path.insert(0, {repo!r})
+    import train_gpt as T
+    fault = sys.argv.pop(1)
+    if fault == "missing_average":
+        build = T.build_optimizers
+        def no_average(*a, **k):
+            opt = build(*a, **k)
+            opt.scale *= a[3]  # forget to divide the reduce-scattered sum by the world size
+            return opt
+        T.build_optimizers = no_average
+    elif fault == "wrong_shard":
+        def same_data_everywhere(self):
+            chunks = [self.stream.take(self.seq_len, self.bos_align) for _ in range(self.world_size * self.accum)]
+            return [T.to_device(chunks[i], self.device) for i in range(0, len(chunks), self.world_size)]
+        T.DistributedTokenLoader.next_batch = same_data_everywhere
+    sys.exit(T.main())
+''')
+
+
+def losses_with(tmp_path, tiny, nproc, fault=None):
+    args = tiny + ["--num_iterations=4", "--val_every=0", f"--run_id=ws{nproc}{fault or ''}",
+                   "--checkpoint_final=true"]
+    if fault:
+        driver = tmp_path / "driver.py"
+        driver.write_text(DRIVER.format(repo=str(REPO)))
+        result = run_trainer([fault] + args, tmp_path, nproc=nproc, driver=driver)
+    else:
+        result = run_trainer(args, tmp_path, nproc=nproc)
+    assert result.returncode == 0, result.stderr[-2000:]
+    return train_losses((tmp_path / f"ws{nproc}{fault or ''}.txt").read_text())
+
+
+def optimizer_state(tmp_path, run_id, world_size):
+    """Adam moments and Muon momenta after the run, the per-rank shards put back together."""
+    files = [tmp_path / run_id / "step_000004" / f"rank{r}.pt" for r in range(world_size)]
+    states = [torch.load(f, weights_only=True)["optimizers"] for f in files]
+    merged = {}
+    for name in states[0]["adam"]:
+        for key in ("exp_avg", "exp_avg_sq"):
+            merged[f"adam {name} {key}"] = torch.cat([s["adam"][name][key].float() for s in states])
+    for s in states:
+        merged.update({f"muon {name}": buf.float() for name, buf in s["muon"].items()})
+    return merged
+
+
+def worst_state_error(a, b):
+    assert a.keys() == b.keys()
+    return max(((a[k] - b[k]).norm() / b[k].norm().clamp_min(1e-30)).item() for k in a)
+
+
+def test_one_and_two_ranks_give_the_same_losses_and_faults_are_caught(tmp_path, tiny):
+    one, two = losses_with(tmp_path, tiny, 1), losses_with(tmp_path, tiny, 2)
+    assert sorted(one) == sorted(two) == [1, 2, 3, 4]
+    for step in one:
+        assert abs(one[step] - two[step]) < WORLD_SIZE_TOLERANCE, (step, one, two)
+    # Losses barely see a gradient scale (Adam and Muon normalise it away); the optimizer state does.
+    state_one = optimizer_state(tmp_path, "ws1", 1)
+    assert worst_state_error(optimizer_state(tmp_path, "ws2", 2), state_one) < STATE_TOLERANCE
+    broken = losses_with(tmp_path, tiny, 2, "wrong_shard")
+    assert max(abs(broken[s] - one[s]) for s in one) > 10 * WORLD_SIZE_TOLERANCE, (one, broken)
+    losses_with(tmp_path, tiny, 2, "missing_average")
+    assert worst_state_error(optimizer_state(tmp_path, "ws2missing_average", 2), state_one) > 0.5
+
+
+@pytest.mark.parametrize("flag, message", [
+    ("--train_files=/nowhere/fineweb_train_*.bin", "no training shards match '/nowhere/fineweb_train_*.bin'"),
+    ("--val_files=/nowhere/*.bin", "no validation shards match"),
+    ("--no_such_flag=1", "unknown argument '--no_such_flag=1'; valid: --preset="),
+    ("--preset=fast", "unknown preset 'fast'; valid presets: speedrun, cpu"),
+    ("--seq_len=300", "--seq_len=300 is not a multiple of the 128-token block"),
+    ("--num_iterations=ten", "bad value 'ten' for --num_iterations: expected int"),
+    ("--batch_tokens=700", "world size 1 cannot split --batch_tokens=700"),
+])
+def test_bad_input_is_one_line_without_a_traceback(tmp_path, tiny, flag, message):
+    result = run_trainer(tiny + [flag], tmp_path)
+    assert result.returncode == 2
+    assert message in result.stderr
+    assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1
+
+
+def test_nan_loss_stops_the_run_naming_the_step(tmp_path, tiny):
+    result = run_trainer(tiny + ["--scalar_lr=nan", "--val_every=0"], tmp_path)
+    assert result.returncode == 2
+    assert "training loss is nan at step 2" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert "step:2/4" not in only_log(tmp_path).read_text()
+
+
+def test_impossible_world_size_is_refused_with_the_sizes_that_work(tmp_path, tiny):
+    result = run_trainer(tiny + ["--batch_tokens=768", "--seq_len=256"], tmp_path, nproc=2)
+    assert result.returncode != 0
+    assert "world size 2 cannot split --batch_tokens=768" in result.stderr
+    assert "world sizes that work: [1, 3]" in result.stderr
