@@ -1,0 +1,147 @@
+"""Checkpoints of train_gpt.py: exact resume, signals, and failures that never lose a good checkpoint."""
+import errno
+import hashlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import train_gpt as T
+from conftest import REPO, TINY, run_trainer, train_losses
+
+SIX = TINY + ["--num_iterations=6", "--val_every=0"]
+
+
+def final_model(log_dir, run_id, step=6):
+    return torch.load(Path(log_dir) / run_id / f"step_{step:06d}" / "rank0.pt", weights_only=True)["model"]
+
+
+def resume_matches_uninterrupted(tmp_path, nproc):
+    whole, parts = tmp_path / "whole", tmp_path / "parts"
+    assert run_trainer(SIX + ["--run_id=whole", "--checkpoint_final=true"], whole, nproc=nproc).returncode == 0
+    first = run_trainer(SIX + ["--run_id=first", "--stop_after=3", "--checkpoint_keep=1"], parts, nproc=nproc)
+    assert first.returncode == 0, first.stderr[-2000:]
+    assert "stopped after step 3 as asked" in (parts / "first.txt").read_text()
+    second = run_trainer(SIX + ["--run_id=second", "--resume=latest", "--checkpoint_final=true"], parts, nproc=nproc)
+    assert second.returncode == 0, second.stderr[-2000:]
+    resumed_log = (parts / "second.txt").read_text()
+    assert f"resumed from {parts / 'first' / 'step_000003'} at step 3" in resumed_log
+    uninterrupted = train_losses((whole / "whole.txt").read_text())
+    resumed = train_losses(resumed_log)
+    assert sorted(resumed) == [4, 5, 6]
+    return uninterrupted, resumed, final_model(whole, "whole"), final_model(parts, "second")
+
+
+def test_single_process_resume_is_bit_identical(tmp_path):
+    uninterrupted, resumed, a, b = resume_matches_uninterrupted(tmp_path, None)
+    assert all(resumed[s] == uninterrupted[s] for s in resumed)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_two_rank_resume_matches_within_tolerance(tmp_path):
+    # gloo reduces in a fixed order, so this is exact in practice; allow float noise anyway.
+    uninterrupted, resumed, a, b = resume_matches_uninterrupted(tmp_path, 2)
+    assert all(abs(resumed[s] - uninterrupted[s]) < 1e-4 for s in resumed)
+    assert max((a[k].float() - b[k].float()).abs().max().item() for k in a) < 1e-6
+
+
+def test_checkpoint_every_keeps_the_last_k(tmp_path):
+    result = run_trainer(SIX + ["--run_id=keep", "--checkpoint_every=1", "--checkpoint_keep=2"], tmp_path)
+    assert result.returncode == 0, result.stderr
+    kept = sorted(p.name for p in (tmp_path / "keep").iterdir())
+    assert kept == ["step_000004", "step_000005"]
+    log = (tmp_path / "keep.txt").read_text()
+    lines = [line for line in log.splitlines() if line.startswith("checkpoint: ")]
+    assert len(lines) == 5 and all("size:" in line and "write_time:" in line for line in lines)
+
+
+def test_sigterm_on_one_rank_checkpoints_all_ranks_and_resume_continues(tmp_path):
+    args = TINY + ["--num_iterations=500", "--val_every=0", "--run_id=sig", "--checkpoint_every=1000",
+                   f"--log_dir={tmp_path}"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           str(REPO / "train_gpt.py")] + args
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    log = tmp_path / "sig.txt"
+    deadline = time.time() + 120
+    while time.time() < deadline and not (log.exists() and "step:3/500" in log.read_text()):
+        time.sleep(0.2)
+    workers = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
+    assert len(workers) == 2, workers
+    os.kill(int(workers[-1]), signal.SIGTERM)  # one rank only: the others must follow
+    proc.communicate(timeout=120)
+    assert proc.returncode != 0
+    text = log.read_text()
+    assert "stopped by signal SIGTERM" in text and "resume with --resume=latest" in text
+    ckpts = list((tmp_path / "sig").glob("step_*"))
+    assert len(ckpts) == 1 and sorted(p.name for p in ckpts[0].iterdir()) == ["checkpoint.json", "rank0.pt", "rank1.pt"]
+    stopped_at = int(ckpts[0].name.split("_")[1])
+    state = torch.load(ckpts[0] / "rank1.pt", weights_only=True)
+    assert state["step"] == stopped_at
+    resumed = run_trainer(TINY + [f"--num_iterations={stopped_at + 2}", "--val_every=0", "--run_id=after",
+                                  "--resume=latest"], tmp_path, nproc=2)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert sorted(train_losses((tmp_path / "after.txt").read_text())) == [stopped_at + 1, stopped_at + 2]
+
+
+@pytest.fixture(scope="module")
+def good_checkpoint(tmp_path_factory):
+    log_dir = tmp_path_factory.mktemp("ckpt")
+    result = run_trainer(TINY + ["--num_iterations=2", "--val_every=0", "--run_id=good", "--checkpoint_final=true"],
+                         log_dir)
+    assert result.returncode == 0, result.stderr
+    return log_dir / "good" / "step_000002"
+
+
+def resume_error(tmp_path, path, *extra):
+    result = run_trainer(TINY + ["--num_iterations=3", f"--resume={path}", *extra], tmp_path)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+    return result.stderr
+
+
+def test_truncated_checkpoint_is_a_clear_error(tmp_path, good_checkpoint):
+    broken = tmp_path / "step_000002"
+    broken.mkdir()
+    for f in good_checkpoint.iterdir():
+        data = f.read_bytes()
+        (broken / f.name).write_bytes(data[: len(data) // 2] if f.suffix == ".pt" else data)
+    assert "is unreadable (" in resume_error(tmp_path, broken) and "truncated or corrupt" in \
+        resume_error(tmp_path, broken)
+
+
+def test_checkpoint_of_another_shape_or_world_size_is_refused(tmp_path, good_checkpoint):
+    err = resume_error(tmp_path, good_checkpoint, "--model_dim=128")
+    assert "has model_dim=64 but this run has model_dim=128" in err
+    result = run_trainer(TINY + ["--num_iterations=3", f"--resume={good_checkpoint}"], tmp_path, nproc=2)
+    assert result.returncode != 0 and "was written by 1 ranks, this run has 2" in result.stderr
+
+
+def test_missing_checkpoint_paths_are_clear_errors(tmp_path):
+    assert "is not found" in resume_error(tmp_path, tmp_path / "nope")
+    assert "no finished checkpoint under" in resume_error(tmp_path, "latest")
+
+
+def test_failed_write_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
+    args = T.parse_args(["--preset=cpu", "--log_dir=" + str(tmp_path)], False)
+    rt = T.Runtime(0, 0, 1, torch.device("cpu"), torch.float32, "sdpa", False, False)
+    log = T.RunLog(None)
+    state = {"step": 1, "model": {"w": torch.arange(1000.0)}}
+    good = T.save_checkpoint(state, args, rt, "run", log)
+    before = {f.name: hashlib.sha256(f.read_bytes()).hexdigest() for f in good.iterdir()}
+
+    def disk_full(obj, path):
+        Path(path).write_bytes(b"partial")
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(torch, "save", disk_full)
+    with pytest.raises(T.UsageError) as err:
+        T.save_checkpoint({**state, "step": 2}, args, rt, "run", log)
+    assert "No space left on device" in str(err.value) and f"previous checkpoint {good} is intact" in str(err.value)
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["step_000001"]
+    assert before == {f.name: hashlib.sha256(f.read_bytes()).hexdigest() for f in good.iterdir()}
