@@ -1,0 +1,121 @@
+"""Run log and accounting of train_gpt.py: energy counters, the energy line, profiler traces."""
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import train_gpt as T
+from conftest import REPO, TINY, run_trainer
+
+CPU_RANK0 = T.Runtime(0, 0, 1, torch.device("cpu"), torch.float32, "sdpa", False, False)
+
+
+class FakeNvml:
+    """Scripted NVML: the total-energy counter (mJ) returns the given readings in order."""
+
+    def __init__(self, readings_mj):
+        self.readings = list(readings_mj)
+        self.handles = []
+
+    def nvmlInit(self):
+        pass
+
+    def nvmlDeviceGetHandleByIndex(self, index):
+        self.handles.append(index)
+        return f"gpu{index}"
+
+    def nvmlDeviceGetTotalEnergyConsumption(self, handle):
+        return self.readings.pop(0)
+
+
+def make_powercap(root, packages):
+    """A fake /sys/class/powercap: packages is a list of (energy_uj, max_energy_range_uj)."""
+    for i, (energy, wrap) in enumerate(packages):
+        d = root / f"intel-rapl:{i}"
+        d.mkdir(parents=True)
+        (d / "energy_uj").write_text(f"{energy}\n")
+        (d / "max_energy_range_uj").write_text(f"{wrap}\n")
+        sub = root / f"intel-rapl:{i}:0"  # a sub-domain (core): inside the package, never added again
+        sub.mkdir()
+        (sub / "energy_uj").write_text("999999999\n")
+        (sub / "max_energy_range_uj").write_text("1000000000\n")
+    return root
+
+
+def set_energy(root, i, value):
+    (root / f"intel-rapl:{i}" / "energy_uj").write_text(f"{value}\n")
+
+
+def test_nvml_counts_only_the_timed_region():
+    rt = T.Runtime(0, 3, 1, torch.device("cpu"), torch.float32, "sdpa", False, False)
+    nvml = FakeNvml([1_000_000, 1_500_000, 9_000_000, 9_250_000])  # start, stop, (validation), start, stop
+    meter = T.EnergyMeter(T.NvmlCounter(3, nvml))
+    meter.start(); meter.stop(); meter.start(); meter.stop()
+    assert meter.joules == pytest.approx(500.0 + 250.0)
+    assert nvml.handles == [3]
+    assert meter.total(rt) == (pytest.approx(750.0), 1)
+
+
+def test_rapl_sums_packages_skips_subdomains_and_survives_wraparound(tmp_path):
+    root = make_powercap(tmp_path / "powercap", [(1_000_000, 2**32), (2**32 - 500_000, 2**32)])
+    meter = T.EnergyMeter.open(CPU_RANK0, powercap_root=root)
+    assert meter.counters is not None and len(meter.counters.domains) == 2
+    meter.start()
+    set_energy(root, 0, 4_000_000)  # +3 J
+    set_energy(root, 1, 1_500_000)  # wrapped: +0.5 J to the top, +1.5 J after
+    meter.stop()
+    assert meter.joules == pytest.approx(3.0 + 2.0)
+
+
+def test_rapl_is_read_by_local_rank_zero_only(tmp_path):
+    root = make_powercap(tmp_path / "powercap", [(0, 2**32)])
+    other = T.Runtime(1, 1, 2, torch.device("cpu"), torch.float32, "sdpa", False, False)
+    meter = T.EnergyMeter.open(other, powercap_root=root)
+    assert meter.counters is None and "local rank 0" in meter.reason
+
+
+def test_unreadable_counters_give_a_reason(tmp_path):
+    meter = T.EnergyMeter.open(CPU_RANK0, powercap_root=tmp_path / "missing")
+    assert meter.counters is None and "no RAPL package domains" in meter.reason
+    assert meter.total(CPU_RANK0) == (None, 0)
+    assert T.energy_line(None, 0, meter.reason, 10.0, 1000) == f"energy: n/a ({meter.reason})"
+
+
+def test_energy_line_reports_kwh_power_and_tokens_per_kwh():
+    line = T.energy_line(7200.0, 2, "", 10.0, 1_000_000)
+    assert line == "energy: 7200.0 J (0.002000 kWh) mean_power:360.0W/device tokens_per_kWh:5.000e+08"
+
+
+SUM_DRIVER = textwrap.dedent('''
+    import sys, torch, torch.distributed as dist
+    sys.path.insert(0, {repo!r})
+    import train_gpt as T
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    rt = T.Runtime(rank, rank, 2, torch.device("cpu"), torch.float32, "sdpa", False, False)
+    meter = T.EnergyMeter(object() if rank == 0 else None, "" if rank == 0 else "no counter")  # rank 1 measures nothing
+    meter.joules = 123.5 if rank == 0 else 0.0
+    print("TOTAL", meter.total(rt))
+    dist.destroy_process_group()
+''')
+
+
+def test_energy_is_summed_over_ranks(tmp_path):
+    driver = tmp_path / "sum.py"
+    driver.write_text(SUM_DRIVER.format(repo=str(REPO)))
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                             str(driver)], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.count("TOTAL (123.5, 1)") == 2
+
+
+def test_profiler_writes_a_chrome_trace_per_rank(tmp_path):
+    result = run_trainer(TINY + ["--num_iterations=4", "--val_every=0", "--profile_steps=1", "--run_id=prof"],
+                         tmp_path)
+    assert result.returncode == 0, result.stderr
+    trace = json.loads((tmp_path / "prof_rank0.trace.json").read_text())
+    names = {event.get("name", "") for event in trace["traceEvents"]}
+    assert any("aten::" in n for n in names)
