@@ -1,0 +1,74 @@
+"""Set-up files: run.sh's launch decisions, the Dockerfile, the pinned requirements and CI."""
+import os
+import re
+import subprocess
+
+from conftest import REPO
+
+
+def fake_bin(tmp_path, gpus, with_torchrun):
+    """A PATH folder with a fake nvidia-smi listing `gpus` GPUs and a launcher that echoes its arguments."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    if gpus:
+        smi = bin_dir / "nvidia-smi"
+        smi.write_text("#!/bin/sh\n" + "".join(f"echo 'NVIDIA H100 80GB HBM3'\n" for _ in range(gpus)))
+        smi.chmod(0o755)
+    if with_torchrun:
+        launcher = bin_dir / "torchrun"
+        launcher.write_text("#!/bin/sh\necho LAUNCH torchrun \"$@\"\n")
+        launcher.chmod(0o755)
+    python = bin_dir / "python-fake"
+    python.write_text("#!/bin/sh\necho LAUNCH python \"$@\"\n")
+    python.chmod(0o755)
+    return bin_dir
+
+
+def run_sh(tmp_path, gpus, with_torchrun=True):
+    bin_dir = fake_bin(tmp_path, gpus, with_torchrun)
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "PYTHON": str(bin_dir / "python-fake")}
+    result = subprocess.run(["bash", str(REPO / "run.sh"), "--seed=3"], capture_output=True, text=True, env=env,
+                            timeout=30)
+    assert result.returncode == 0, result.stderr
+    return [line for line in result.stdout.splitlines() if line.startswith("LAUNCH")][0]
+
+
+def test_run_sh_uses_every_gpu_through_torchrun(tmp_path):
+    assert run_sh(tmp_path, 4) == "LAUNCH torchrun --standalone --nproc_per_node=4 train_gpt.py --seed=3"
+
+
+def test_run_sh_falls_back_to_torch_distributed_run(tmp_path):
+    launch = run_sh(tmp_path, 2, with_torchrun=False)
+    assert launch == "LAUNCH python -m torch.distributed.run --standalone --nproc_per_node=2 train_gpt.py --seed=3"
+
+
+def test_run_sh_runs_the_cpu_preset_without_a_gpu(tmp_path):
+    assert run_sh(tmp_path, 0) == "LAUNCH python train_gpt.py --seed=3"
+
+
+def test_requirements_are_pinned_and_the_runtime_set_is_minimal():
+    runtime = [l for l in (REPO / "requirements.txt").read_text().splitlines() if l and not l.startswith("#")]
+    assert {l.split("==")[0] for l in runtime} == {"torch", "numpy", "huggingface_hub", "tqdm"}
+    assert "torch==2.13.0" in runtime
+    extras = [l for l in (REPO / "requirements-extras.txt").read_text().splitlines() if l and not l.startswith("#")]
+    assert all(re.fullmatch(r"[A-Za-z0-9_.\-]+==[0-9][0-9A-Za-z.]*", l) for l in runtime + extras)
+
+
+def test_dockerfile_pins_a_cuda12_base_installs_the_requirements_and_runs_run_sh():
+    lines = [l.strip() for l in (REPO / "Dockerfile").read_text().splitlines() if l.strip() and not l.startswith("#")]
+    base = [l for l in lines if l.startswith("FROM ")]
+    assert len(base) == 1 and re.fullmatch(r"FROM nvidia/cuda:12\.\d+\.\d+-[a-z0-9-]+", base[0]), base
+    installs = [l for l in lines if "pip install" in l]
+    assert installs == ["RUN pip install -r requirements.txt"]
+    assert "COPY requirements.txt ." in lines
+    assert lines[-1] == 'CMD ["./run.sh"]'
+    assert os.access(REPO / "run.sh", os.X_OK)
+    assert any(l.startswith("VOLUME") and "/speedrun/data/fineweb10B" in l for l in lines)
+
+
+def test_ci_runs_the_readme_test_command():
+    readme = (REPO / "README.md").read_text()
+    command = re.search(r"^python -m pytest tests\S*.*$", readme, re.M)
+    assert command, "README names no test command"
+    ci = (REPO / ".ci" / "run").read_text()
+    assert "python3 -m pytest tests" in ci and "-r requirements.txt" in ci and '"$status" -eq 5' in ci
