@@ -57,7 +57,7 @@ def test_requirements_are_pinned_and_the_runtime_set_is_minimal():
 def test_dockerfile_pins_a_cuda12_base_installs_the_requirements_and_runs_run_sh():
     lines = [l.strip() for l in (REPO / "Dockerfile").read_text().splitlines() if l.strip() and not l.startswith("#")]
     base = [l for l in lines if l.startswith("FROM ")]
-    assert len(base) == 1 and re.fullmatch(r"FROM nvidia/cuda:12\.\d+\.\d+-[a-z0-9-]+", base[0]), base
+    assert len(base) == 1 and re.fullmatch(r"FROM nvidia/cuda:12\.\d+\.\d+-[a-z0-9.-]+", base[0]), base
     installs = [l for l in lines if "pip install" in l]
     assert installs == ["RUN pip install -r requirements.txt"]
     assert "COPY requirements.txt ." in lines
