@@ -322,3 +322,19 @@ def test_without_scipy_and_matplotlib_table_still_works(tmp_path):
     assert len(scipy_lines) == 1 and "pip install -r requirements-extras.txt" in scipy_lines[0]
     assert len(mpl_lines) == 1 and "pip install -r requirements-extras.txt" in mpl_lines[0]
     assert not (tmp_path / "plots" / "val_loss_vs_step.png").exists()
+
+
+def test_reader_parses_a_real_log_written_by_the_trainer(tmp_path):
+    """End to end: a tiny CPU run of train_gpt.py, then the reader on its log folder."""
+    from conftest import TINY, run_trainer, val_losses
+    run = run_trainer(TINY + ["--run_id=real"], tmp_path)
+    assert run.returncode == 0, run.stderr
+    (tmp_path / "real.json").rename(tmp_path / "summary_elsewhere.json")  # the .txt alone must be enough
+    out = subprocess.run([sys.executable, str(SCRIPT), str(tmp_path / "real.txt"), "--json"],
+                          capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    (parsed,) = json.loads(out.stdout)["runs"]
+    log_vals = val_losses((tmp_path / "real.txt").read_text())
+    assert parsed["steps"] == 4 and parsed["world_size"] == 1
+    assert parsed["final_val_loss"] == pytest.approx(log_vals[4], abs=1e-4)
+    assert [point[0] for point in parsed["val_curve"]] == sorted(log_vals)
