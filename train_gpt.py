@@ -16,6 +16,7 @@ schedules, run log and accounting, checkpoints, training loop.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import glob
 import hashlib
@@ -23,6 +24,7 @@ import json
 import math
 import os
 import platform
+import shutil
 import signal
 import subprocess
 import sys
@@ -1219,13 +1221,11 @@ def save_checkpoint(state: dict, args: Hyperparameters, rt: Runtime, run_id: str
         error = e.strerror or str(e)
     if not ranks_agree(not error, rt):
         if rt.is_master:
-            import shutil
             shutil.rmtree(staging, ignore_errors=True)
         previous = complete_checkpoints(root)
         raise UsageError(f"cannot write checkpoint {final} ({error or 'failed on another rank'}); "
                          f"previous checkpoint {previous[-1] if previous else '(none)'} is intact; free disk space")
     if rt.is_master:
-        import shutil
         meta = {"run_id": run_id, "step": state["step"], "world_size": rt.world_size,
                 "source_sha256": source_sha256(), "hyperparameters": dataclasses.asdict(args)}
         (staging / CHECKPOINT_META).write_text(json.dumps(meta, indent=1))
@@ -1342,6 +1342,30 @@ def new_run_id(args: Hyperparameters, rt: Runtime) -> str:
     return run_id
 
 
+def write_log_header(log: RunLog, args: Hyperparameters, rt: Runtime, accum: int, run_id: str) -> None:
+    """Source, every resolved hyperparameter and the environment, before the first step line."""
+    log.write("==== train_gpt.py ====", echo=False)
+    log.write(Path(__file__).read_text(), echo=False)
+    log.write("==== end of train_gpt.py ====", echo=False)
+    log.write("hyperparameters:", echo=False)
+    for name, value in dataclasses.asdict(args).items():
+        log.write(f"  {name} = {value}", echo=False)
+    log.write(f"  (derived) grad_accum_steps = {accum}", echo=False)
+    for line in environment_lines(rt) if rt.is_master else []:
+        log.write(line, echo=False)
+    log.write(f"run {run_id}: preset {args.preset}, {rt.world_size} rank(s) x {accum} micro-step(s), "
+              f"{device_name(rt)}, attention {rt.attention}, fp8 head {rt.fp8_head}, compile {rt.compile}")
+
+
+def write_summary(path: Path, summary: dict, log: RunLog) -> None:
+    """The machine-readable result next to the log, written atomically."""
+    try:
+        path.with_suffix(".json.part").write_text(json.dumps(summary, indent=1))
+        os.replace(path.with_suffix(".json.part"), path)
+    except OSError as e:
+        raise UsageError(f"cannot write {path}: {e.strerror}; the run log {log.path} is complete") from None
+
+
 def train(argv: list[str]) -> int:
     args = parse_args(argv, torch.cuda.is_available())
     rt = setup_runtime(args)
@@ -1354,17 +1378,7 @@ def train(argv: list[str]) -> int:
     run_id = new_run_id(args, rt)
     log = RunLog(Path(args.log_dir) / f"{run_id}.txt" if rt.is_master else None)
 
-    log.write("==== train_gpt.py ====", echo=False)
-    log.write(Path(__file__).read_text(), echo=False)
-    log.write("==== end of train_gpt.py ====", echo=False)
-    log.write("hyperparameters:", echo=False)
-    for name, value in dataclasses.asdict(args).items():
-        log.write(f"  {name} = {value}", echo=False)
-    log.write(f"  (derived) grad_accum_steps = {accum}", echo=False)
-    for line in environment_lines(rt) if rt.is_master else []:
-        log.write(line, echo=False)
-    log.write(f"run {run_id}: preset {args.preset}, {rt.world_size} rank(s) x {accum} micro-step(s), "
-              f"{device_name(rt)}, attention {rt.attention}, fp8 head {rt.fp8_head}, compile {rt.compile}")
+    write_log_header(log, args, rt, accum, run_id)
 
     train_files = find_shards(args.train_files, "training")
     val_files = find_shards(args.val_files, "validation")
@@ -1395,7 +1409,7 @@ def train(argv: list[str]) -> int:
         return torch.stack(losses).mean()
 
     if args.warmup_steps > 0:  # compile and warm kernels on real shapes, then forget it happened
-        snapshot = __import__("copy").deepcopy(training_state(model, opt, stream, 0))
+        snapshot = copy.deepcopy(training_state(model, opt, stream, 0))
         for step in range(args.warmup_steps):
             train_step(step)
         evaluate(compiled, val_seqs[:1], window_of(0), rt)
@@ -1487,12 +1501,7 @@ def train(argv: list[str]) -> int:
                    "peak_memory_mib": peak_mib, "energy_j": joules, "energy_kwh": kwh,
                    "tokens_per_kwh": tokens / kwh if kwh else None, "val_curve": val_curve,
                    "hyperparameters": dataclasses.asdict(args), "status": "finished"}
-        summary_path = Path(args.log_dir) / f"{run_id}.json"
-        try:
-            summary_path.with_suffix(".json.part").write_text(json.dumps(summary, indent=1))
-            os.replace(summary_path.with_suffix(".json.part"), summary_path)
-        except OSError as e:
-            raise UsageError(f"cannot write {summary_path}: {e.strerror}; the run log {log.path} is complete") from None
+        write_summary(Path(args.log_dir) / f"{run_id}.json", summary, log)
     return 0
 
 
