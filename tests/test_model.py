@@ -1,0 +1,490 @@
+"""The model against the recipe: shapes, initial loss, layer roles, attention masks, backends, FP8 head, training."""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import train_gpt as T  # noqa: E402
+
+import math  # noqa: E402
+import warnings  # noqa: E402
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+EOT = T.EOT_TOKEN
+BLOCK = T.BLOCK_SIZE
+
+
+def needs_cuda(what):
+    return pytest.mark.skipif(not torch.cuda.is_available(), reason=f"needs a CUDA GPU: {what}")
+
+
+def small_args(*extra):
+    return T.parse_args(["--preset=cpu", "--n_layer=2", "--model_dim=64", "--n_head=2", "--head_dim=32",
+                         "--seq_len=1024", "--val_seq_len=1024", "--val_tokens=1024", *extra], False)
+
+
+def tokens_with_docs(n, eot_positions, seed=0, vocab=T.EOT_TOKEN):
+    gen = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, vocab, (n,), generator=gen)  # below EOT: no accidental document starts
+    tokens[list(eot_positions)] = EOT
+    return tokens
+
+
+# ----------------------------------------------------------------------------- shape and initial loss
+
+def test_speedrun_parameter_count():
+    with torch.device("meta"):
+        model = T.GPT(T.parse_args(["--preset=speedrun"], False))
+    d, vocab, padded, layers = 768, 50257, 50304, 12
+    embeddings = 4 * vocab * d  # token embedding + 3 value embeddings
+    head = padded * d
+    mlp = layers * (2 * 4 * d * d + 2)  # c_fc + c_proj, plus the block's 2 mixing lambdas (x, x0)
+    ve_layers = 6  # layers 0,1,2 and 9,10,11 use value embeddings: 2 lambdas each; the other 5 attention layers 1
+    attention = 11 * (3 * d * d + d * d) + ve_layers * 2 + (11 - ve_layers) * 1
+    skips = 6
+    expected = embeddings + head + mlp + attention + skips
+    assert expected == 275_598_383  # 154,389,504 + 38,633,472 + 56,623,128 + 25,952,273 + 6
+    assert sum(p.numel() for p in model.parameters()) == expected
+    shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    assert shapes["lm_head.weight"] == (50304, 768) and shapes["embed.weight"] == (50257, 768)
+    assert shapes["blocks.0.attn.qkv_w"] == (3, 768, 768) and shapes["blocks.0.mlp.c_fc.weight"] == (3072, 768)
+    assert "blocks.7.attn.qkv_w" not in shapes and shapes["skip_weights"] == (6,)
+
+
+def test_fresh_model_loss_is_log_vocab():
+    args = small_args("--seq_len=256")
+    torch.manual_seed(0)
+    model = T.GPT(args)
+    tokens = torch.randint(0, args.vocab_size, (257,), generator=torch.Generator().manual_seed(1))
+    tokens[[0, 40, 130]] = EOT
+    with torch.no_grad():
+        loss = model(tokens[:-1], tokens[1:], torch.tensor(1))
+    # zero-init head -> logits 0 -> softcap 30*sigmoid(0) = 15 for all 50304 -> uniform distribution
+    assert loss.item() == pytest.approx(math.log(50304), abs=1e-4)
+    assert math.log(50304) == pytest.approx(10.8258, abs=1e-4)
+
+
+def test_initialisation_follows_recipe():
+    torch.manual_seed(0)
+    model = T.GPT(small_args())
+    for name, p in model.named_parameters():
+        if name.endswith("c_proj.weight") or name == "lm_head.weight":
+            assert torch.count_nonzero(p) == 0, name  # output projections and head are zero
+    w = model.blocks[0].mlp.c_fc.weight  # uniform with std 0.5/sqrt(fan_in)
+    assert w.std().item() == pytest.approx(0.5 / math.sqrt(64), rel=0.02)
+    assert w.abs().max().item() <= math.sqrt(3) * 0.5 / math.sqrt(64) + 1e-7
+    assert model.blocks[0].lambdas.tolist() == [1.0, 0.0] and model.blocks[0].attn.lambdas.tolist() == [0.5, 0.5]
+
+
+# ----------------------------------------------------------------------------- layer roles
+
+def test_layer_roles_twelve_layers():
+    r = T.LayerRoles.for_depth(12, True)
+    assert r.value_embed == (0, 1, 2, None, None, None, None, None, None, 0, 1, 2)
+    assert r.attention == tuple(i != 7 for i in range(12))
+    assert "".join("L" if x else "S" for x in r.long_window) == "LSSSLSSLSSSL"
+    assert (r.n_encoder, r.n_value_embeds) == (6, 3)
+    assert T.LayerRoles.for_depth(12, False).value_embed == (None,) * 12
+
+
+@pytest.mark.parametrize("depth", [2, 4, 6, 8, 16])
+def test_layer_roles_other_depths_are_sensible(depth):
+    r = T.LayerRoles.for_depth(depth, True)
+    enc = depth // 2
+    assert r.n_encoder == enc and len(r.value_embed) == len(r.attention) == len(r.long_window) == depth
+    # value embeddings: the same tables, in the same order, at the start and at the end; none in the middle
+    n = r.n_value_embeds
+    assert n == min(3, enc)
+    assert r.value_embed[:n] == tuple(range(n)) == r.value_embed[depth - n:]
+    assert all(v is None for v in r.value_embed[n:depth - n])
+    # windows mirror around the middle, and the first and last layers see the long window
+    assert r.long_window == r.long_window[::-1] and r.long_window[0]
+    # at most one layer without attention, never in the encoder
+    off = [i for i, a in enumerate(r.attention) if not a]
+    assert len(off) <= 1 and all(i >= enc for i in off)
+
+
+def test_layer_roles_six_layers():
+    r = T.LayerRoles.for_depth(6, True)
+    assert r.value_embed == (0, 1, 2, 0, 1, 2)
+    assert r.attention == (True, True, True, True, False, True)
+    assert r.long_window == (True, False, False, False, False, True)
+
+
+# ----------------------------------------------------------------------------- masks
+
+def reference_mask(tokens, window):
+    """The rule from the recipe, by brute force: causal, same document, q_block - k_block < window."""
+    toks = tokens.numpy()
+    n = len(toks)
+    doc = np.zeros(n, dtype=np.int64)
+    current = 0
+    for i in range(n):
+        if toks[i] == EOT:
+            current += 1
+        doc[i] = current
+    mask = np.zeros((n, n), dtype=bool)
+    for q in range(n):
+        k = np.arange(q + 1)  # causal: keys up to and including q
+        mask[q, :q + 1] = (doc[k] == doc[q]) & (q // BLOCK - k // BLOCK < window)
+    return torch.from_numpy(mask)
+
+
+def mask_from_block_mask(bm, n):
+    """Element-wise mask a BlockMask stands for: full blocks true, partial blocks by mask_mod, others false."""
+    nb = n // BLOCK
+    q_idx = torch.arange(n)[:, None]
+    kv_idx = torch.arange(n)[None, :]
+    mod = bm.mask_mod(torch.tensor(0), torch.tensor(0), q_idx, kv_idx)
+    out = torch.zeros(n, n, dtype=torch.bool)
+    kinds = torch.zeros(nb, nb, dtype=torch.int64)  # 0 absent, 1 partial, 2 full
+    assert bm.kv_num_blocks.shape == (1, 1, nb) and bm.kv_indices.shape[-2] == nb
+    for qb in range(nb):
+        for kind, counts, indices in ((1, bm.kv_num_blocks, bm.kv_indices), (2, bm.full_kv_num_blocks,
+                                                                               bm.full_kv_indices)):
+            listed = indices[0, 0, qb, :int(counts[0, 0, qb])].tolist()
+            assert len(set(listed)) == len(listed)
+            for kb in listed:
+                assert kinds[qb, kb] == 0, "a block is listed twice (partial and full)"
+                kinds[qb, kb] = kind
+                rows, cols = slice(qb * BLOCK, (qb + 1) * BLOCK), slice(kb * BLOCK, (kb + 1) * BLOCK)
+                out[rows, cols] = True if kind == 2 else mod[rows, cols]
+    return out, kinds
+
+
+def layouts(n, seed):
+    rng = np.random.default_rng(seed)
+    yield "one document", [0]
+    yield "no EOT at all", []
+    yield "boundary inside a block and at a block edge", [0, 200, 256, 257] if n > 257 else [0, 77]
+    yield "long document then short ones", [0, n // 2 + 5, n // 2 + 9] if n > 128 else [0, 100]
+    yield "random", sorted(set(rng.choice(n, size=max(1, n // 150), replace=False).tolist()))
+
+
+@pytest.mark.parametrize("n", [128, 384, 1024])
+def test_block_mask_and_dense_mask_match_brute_force(n):
+    for name, eots in layouts(n, seed=n):
+        tokens = tokens_with_docs(n, eots, seed=n)
+        for window in (1, 2, 3, n // BLOCK + 2):
+            w = torch.tensor(window)
+            ref = reference_mask(tokens, window)
+            dense = T.sliding_window_mask(tokens, w)
+            assert dense.dtype == torch.bool and torch.equal(dense, ref), (name, window)
+            bm = T.sliding_window_block_mask(tokens, w)
+            from_blocks, kinds = mask_from_block_mask(bm, n)
+            assert torch.equal(from_blocks, ref), (name, window)
+            # sparsity: a full block really is all-true, a listed block has something allowed, an absent one none
+            ref_blocks = ref.view(n // BLOCK, BLOCK, n // BLOCK, BLOCK)
+            any_true, all_true = ref_blocks.any(dim=(1, 3)), ref_blocks.all(dim=(1, 3))
+            assert torch.equal(kinds > 0, any_true), (name, window)
+            assert torch.equal(kinds == 2, all_true), (name, window)  # every all-true block skips mask_mod
+
+
+def test_window_limits_reach_and_documents_split():
+    n = 1024
+    tokens = tokens_with_docs(n, [0, 600])
+    mask = T.sliding_window_mask(tokens, torch.tensor(2))
+    assert mask[599, 384] and not mask[599, 383] and mask[599, 599]  # q block 4 sees blocks 3-4 only
+    assert not mask[700, 599] and mask[700, 600]  # the new document starts at its EOT
+    assert not mask[10, 11]
+
+
+# ----------------------------------------------------------------------------- attention backends
+
+def attention_inputs(n, heads=2, dim=32, dtype=torch.float32, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(1, n, heads, dim, generator=gen).to(dtype) for _ in range(3)]
+
+
+def reference_attention(q, k, v, mask, scale):
+    """Softmax attention in float64 with -inf outside the mask."""
+    s = torch.einsum("bqhd,bkhd->bhqk", q.double(), k.double()) * scale
+    s = s.masked_fill(~mask, float("-inf"))
+    return torch.einsum("bhqk,bkhd->bqhd", s.softmax(-1), v.double())
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_backends_agree(dtype, tol):
+    n = 1024
+    tokens = tokens_with_docs(n, [0, 130, 500, 501, 777])
+    q, k, v = attention_inputs(n, dtype=dtype)
+    for window in (1, 3, 9):
+        w = torch.tensor(window)
+        sdpa = T.SDPAAttention.attend(q, k, v, T.SDPAAttention.build_mask(tokens, w), 0.12)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile.*")
+            flex = T.FlexAttention.attend(q, k, v, T.FlexAttention.build_mask(tokens, w), 0.12)
+        ref = reference_attention(q, k, v, reference_mask(tokens, window), 0.12)
+        assert sdpa.shape == flex.shape == q.shape and sdpa.dtype == flex.dtype == dtype
+        torch.testing.assert_close(sdpa.double(), ref, atol=tol, rtol=tol)
+        torch.testing.assert_close(flex.double(), ref, atol=tol, rtol=tol)
+        torch.testing.assert_close(flex, sdpa, atol=tol, rtol=tol)
+
+
+def test_attention_gradient_does_not_leak():
+    n = 512
+    tokens = tokens_with_docs(n, [0, 100, 300, 301])
+    for window in (1, 2):
+        mask = T.sliding_window_mask(tokens, torch.tensor(window))
+        allowed = reference_mask(tokens, window)
+        q, k, v = (t.requires_grad_() for t in attention_inputs(n, seed=window))
+        y = T.SDPAAttention.attend(q, k, v, mask, 0.12)
+        for pos in (99, 100, 299, 300, 301, 383, 384, 511):
+            q.grad = k.grad = v.grad = None
+            y[0, pos].sum().backward(retain_graph=True)
+            touched_v = v.grad[0].abs().sum(dim=(-2, -1)) != 0
+            touched_k = k.grad[0].abs().sum(dim=(-2, -1)) != 0
+            assert torch.equal(touched_v, allowed[pos]), (window, pos)  # zero exactly where not allowed
+            assert not (touched_k & ~allowed[pos]).any(), (window, pos)
+            if allowed[pos].sum() > 1:  # with a single key the softmax is constant: no gradient to k at all
+                assert torch.equal(touched_k, allowed[pos]), (window, pos)
+            touched_q = q.grad[0].abs().sum(dim=(-2, -1)) != 0
+            assert not touched_q[torch.arange(n) != pos].any()
+
+
+def reachable(tokens, long_window, roles):
+    """Which inputs can influence each output through every attention layer (product of boolean masks)."""
+    n = tokens.numel()
+    reach = torch.eye(n, dtype=torch.bool)
+    for has_attention, is_long in zip(roles.attention, roles.long_window):
+        if has_attention:
+            window = long_window if is_long else max(1, long_window // 2)
+            m = reference_mask(tokens, window).double()
+            reach = (m @ reach.double()) > 0
+    return reach
+
+
+@pytest.mark.parametrize("n_layer, window, far", [(2, 1, 384), (4, 2, 256)])
+def test_model_gradient_does_not_cross_documents_or_windows(n_layer, window, far):
+    """The loss at one position, back to the token embeddings: exactly zero gradient outside what the
+    attention layers can reach (every layer's mask composed), nonzero inside. Zero-init output projections
+    would make every cross-position gradient zero, so they are initialised randomly here."""
+    args = small_args(f"--n_layer={n_layer}", "--seq_len=512", "--zero_init=false", "--dtype=fp32")
+    torch.manual_seed(0)
+    model = T.GPT(args)
+    tokens = tokens_with_docs(513, [0, 450, 451, 470])  # one 450-token document over 4 blocks, then short ones
+    reach = reachable(tokens[:-1], window, model.roles)
+    # what the layout puts in play: 2 layers x window 1 reach back to 384 (same block), 4 layers with
+    # long 2 / short 1 / short 1 / no attention reach one block back, to 256; documents cut everything else
+    assert reach[440, far] and not reach[440, far - 1] and reach[449, 449 - 449 % BLOCK]
+    assert not reach[460, :451].any() and reach[460, 451] and not reach[450, :450].any()
+    captured = []
+
+    def keep_embedding_output(module, inputs, out):  # returns None: the output itself is unchanged
+        out.retain_grad()
+        captured.append(out)
+    model.embed.register_forward_hook(keep_embedding_output)
+    for pos in (440, 460, 511):
+        captured.clear()
+        targets = torch.full((512,), -100)
+        targets[pos] = tokens[pos + 1]  # the loss of this one position (cross_entropy ignores -100)
+        model(tokens[:-1], targets, torch.tensor(window)).backward()
+        touched = captured[0].grad.abs().sum(-1) != 0
+        assert not (touched & ~reach[pos]).any(), (pos, torch.nonzero(touched & ~reach[pos]).flatten()[:10])
+        assert touched[pos] and touched.sum() >= 0.95 * reach[pos].sum(), pos
+
+
+# ----------------------------------------------------------------------------- bad input
+
+def test_bad_model_input_refused():
+    torch.manual_seed(0)
+    model = T.GPT(small_args("--seq_len=256"))
+    ok = torch.randint(0, 50257, (256,))
+    with pytest.raises(T.UsageError, match="sequence length 200 is not a multiple of the 128-token block"):
+        model(ok[:200], ok[:200], torch.tensor(1))
+    bad = ok.clone()
+    bad[17] = 50257
+    with pytest.raises(T.UsageError, match=r"token id 50257 is outside the vocabulary \[0, 50257\)"):
+        model(bad, ok, torch.tensor(1))
+    bad[17] = -3
+    with pytest.raises(T.UsageError, match="token id -3"):
+        model(bad, ok, torch.tensor(1))
+    with pytest.raises(T.UsageError, match="window of 0 blocks is below one 128-token block"):
+        model(ok, ok, torch.tensor(0))
+
+
+def test_target_outside_vocab_refused():
+    """Targets are token ids too. An id in [50257, 50304) silently trains a padding logit; one >= 50304 is a
+    device-side assert on CUDA. (-100, cross_entropy's ignore_index, stays usable: the leak test uses it.)"""
+    torch.manual_seed(0)
+    model = T.GPT(small_args("--seq_len=256"))
+    ok = torch.randint(0, 50257, (256,))
+    targets = ok.clone()
+    targets[5] = 50300
+    with pytest.raises(T.UsageError, match="50300"):
+        model(ok, targets, torch.tensor(1))
+
+
+# ----------------------------------------------------------------------------- FP8 head (CPU numerics)
+
+def fp8_case(n=256, d=128, vocab=512, seed=0):
+    """Realistic magnitudes: rms-normed activations, 0.02-std weights, gradients of a mean loss (~1/n)."""
+    gen = torch.Generator().manual_seed(seed)
+    x = T.rms_norm(torch.randn(n, d, generator=gen)).bfloat16()
+    w = torch.randn(vocab, d, generator=gen) * 0.02
+    grad = torch.randn(n, vocab, generator=gen) / n
+    return x, w, grad
+
+
+def rel_err(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def test_fp8_matmul_matches_fp32_within_fp8_rounding():
+    """Bounds from the formats: round-to-nearest with m mantissa bits has relative error uniform in
+    +-2^-(m+1) of the binade, ~2^-m/sqrt(12) * 0.72 rms (the 0.72 averages over the position in the binade):
+    2.6% for e4m3 (m=3), 5.2% for e5m2 (m=2). A dot product of independent terms keeps that relative
+    size in norm: forward (x and w both e4m3) ~3.7%, backward (e5m2 gradient times an e4m3 operand) ~5.8%.
+    Measured 3.8% forward, 5.9% for both gradients. Bounds: 0.1 forward, 0.15 backward (2.5x), far below
+    what a wrong scale does (a factor of 2 anywhere is a 50-100% error)."""
+    x, w, grad = fp8_case()
+    s = T.FP8_SCALES
+    assert s == dict(x_scale=2.0, w_scale=2.0 ** 9, grad_scale=2.0 ** 19)
+    x_ = x.clone().requires_grad_()
+    w_ = w.clone().requires_grad_()
+    out, x_f8, w_f8 = T.fp8_matmul(x_, w_, s["x_scale"], s["w_scale"])
+    assert out.dtype == torch.bfloat16 and out.shape == (256, 512)
+    assert x_f8.dtype == w_f8.dtype == torch.float8_e4m3fn
+    assert torch.equal(x_f8.float(), (x.float() * 2).to(torch.float8_e4m3fn).float())  # scaled before the cast
+    out.backward(grad)
+    x_ref = x.float().requires_grad_()
+    w_ref = w.clone().requires_grad_()
+    ref = x_ref @ w_ref.T
+    ref.backward(grad)
+    assert w_.grad.dtype == torch.float32 and x_.grad.shape == x.shape
+    e_out, e_gx, e_gw = rel_err(out, ref), rel_err(x_.grad, x_ref.grad), rel_err(w_.grad, w_ref.grad)
+    assert e_out < 0.1 and e_gx < 0.15 and e_gw < 0.15, (e_out, e_gx, e_gw)
+    assert e_out > 1e-3  # and it really went through 8-bit floats
+
+
+def test_fp8_matmul_opcheck():
+    x, w, grad = fp8_case(n=32, d=64, vocab=128)
+    torch.library.opcheck(T.fp8_matmul, (x, w, 2.0, 2.0 ** 9))
+    x_f8, w_f8 = (x * 2).to(torch.float8_e4m3fn), (w * 2 ** 9).to(torch.float8_e4m3fn)
+    # test_schema is left out for the backward op: its mutation check compares the float8 inputs with
+    # torch.allclose, which is not implemented for float8 on CPU (a limitation of opcheck, not of the op)
+    torch.library.opcheck(T.fp8_matmul_backward, (grad.bfloat16(), x_f8, w_f8, 2.0, 2.0 ** 9, 2.0 ** 19),
+                          test_utils=("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic"))
+
+
+class TinyHead(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.head = T.CastedLinear(64, 256, fp8=True)
+
+    def forward(self, x):
+        return torch.nn.functional.cross_entropy(self.head(T.rms_norm(x)).float(), torch.arange(x.size(0)) % 256)
+
+
+def test_fp8_head_compiles_forward_and_backward():
+    """Inductor on CPU compiles the custom ops' fake impls and the registered autograd (about 18 s cold on
+    two cores, ~2 s with a warm inductor cache); the result matches eager."""
+    torch.manual_seed(0)
+    module = TinyHead().train()
+    with torch.no_grad():
+        module.head.weight.normal_(std=0.02)
+    x = torch.randn(128, 64).bfloat16()
+    eager_x = x.clone().requires_grad_()
+    eager = module(eager_x)
+    eager.backward()
+    eager_grad_w = module.head.weight.grad.clone()
+    module.head.weight.grad = None
+    torch._dynamo.reset()
+    compiled = torch.compile(module, fullgraph=True)
+    comp_x = x.clone().requires_grad_()
+    loss = compiled(comp_x)
+    loss.backward()
+    torch.testing.assert_close(loss, eager, atol=1e-3, rtol=1e-3)
+    torch.testing.assert_close(comp_x.grad, eager_x.grad, atol=1e-3, rtol=2e-2)
+    torch.testing.assert_close(module.head.weight.grad, eager_grad_w, atol=1e-4, rtol=2e-2)
+    module.eval()  # evaluation uses the plain matmul: exact against F.linear
+    with torch.no_grad():
+        plain = torch.nn.functional.linear(T.rms_norm(x), module.head.weight.bfloat16())
+        assert torch.equal(module.head(T.rms_norm(x)), plain)
+
+
+# ----------------------------------------------------------------------------- training
+
+def test_small_model_learns_synthetic_documents():
+    args = small_args("--seq_len=256", "--dtype=fp32", "--num_iterations=10")
+    rt = T.Runtime(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"), dtype=torch.float32,
+                   attention="sdpa", fp8_head=False, compile=False)
+    torch.manual_seed(0)
+    model = T.build_model(args, rt)
+    opt = T.build_optimizers(model, args, rank=0, world_size=1, accum=1)
+    document = [EOT] + [(37 * i) % 1000 + 5 for i in range(1, 16)]  # a fixed 16-token document, repeated
+    stream = torch.tensor(document * 40)
+    losses = []
+    for step in range(args.num_iterations):
+        seq = stream[(step * 48) % 160:][:257]  # a different offset each step
+        opt.sync.arm(True)
+        loss = model(seq[:-1], seq[1:], torch.tensor(T.window_blocks(step, args)))
+        loss.backward()
+        opt.step(T.lr_multiplier(step, args.num_iterations, args.cooldown_frac, args.lr_final_frac),
+                 T.muon_momentum(step, args.muon_momentum_warmup_steps, args.muon_momentum_start,
+                                 args.muon_momentum), args)
+        model.zero_grad(set_to_none=False)
+        losses.append(loss.item())
+    assert losses[0] == pytest.approx(math.log(50304), abs=1e-3)
+    assert losses[-1] < 6.0, losses  # measured 3.73 after 9 updates
+    assert all(b < a for a, b in zip(losses, losses[1:])), losses
+
+
+# ----------------------------------------------------------------------------- GPU only
+
+@needs_cuda("FlexAttention's compiled backward runs only on GPU")
+def test_flex_attention_compiled_matches_sdpa_on_cuda():
+    device = torch.device("cuda")
+    n = 4096
+    tokens = tokens_with_docs(n, [0, 700, 701, 2000, 2100, 3333]).to(device)
+    attend = torch.compile(T.FlexAttention.attend)
+    for window in (1, 3, 14):
+        w = torch.tensor(window, device=device)
+        inputs = [t.to(device).requires_grad_() for t in attention_inputs(n, heads=6, dim=128,
+                                                                           dtype=torch.bfloat16, seed=window)]
+        flex = attend(*inputs, T.FlexAttention.build_mask(tokens, w), 0.12)
+        flex.float().square().sum().backward()
+        flex_grads = [t.grad.clone() for t in inputs]
+        for t in inputs:
+            t.grad = None
+        sdpa = T.SDPAAttention.attend(*inputs, T.SDPAAttention.build_mask(tokens, w), 0.12)
+        sdpa.float().square().sum().backward()
+        torch.testing.assert_close(flex, sdpa, atol=2e-2, rtol=2e-2)
+        for a, b in zip(flex_grads, (t.grad for t in inputs)):
+            assert rel_err(a, b) < 2e-2
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() and T.fp8_supported(torch.device("cuda"))),
+                    reason="needs a CUDA GPU with compute capability >= 8.9: torch._scaled_mm FP8 kernels")
+def test_fp8_head_matches_bf16_on_cuda():
+    x, w, grad = (t.cuda() for t in fp8_case(n=1024, d=768, vocab=50304))
+    x_ = x.clone().requires_grad_()
+    w_ = w.clone().requires_grad_()
+    out = T.fp8_matmul(x_, w_, 2.0, 2.0 ** 9)[0]
+    out.backward(grad)
+    x_ref = x.clone().requires_grad_()
+    w_ref = w.clone().requires_grad_()
+    ref = x_ref @ w_ref.bfloat16().T
+    ref.backward(grad.bfloat16())
+    assert rel_err(out, ref) < 0.1 and rel_err(x_.grad, x_ref.grad) < 0.15 and rel_err(w_.grad, w_ref.grad) < 0.15
+
+
+@needs_cuda("a 48K-token speedrun-shape step compiled with FlexAttention")
+def test_speedrun_model_compiled_step_on_cuda():
+    args = T.parse_args(["--preset=speedrun"], cuda_available=True)
+    device = torch.device("cuda")
+    rt = T.Runtime(rank=0, local_rank=0, world_size=1, device=device, dtype=torch.bfloat16, attention="flex",
+                   fp8_head=T.fp8_supported(device), compile=True)
+    torch.manual_seed(0)
+    model = T.build_model(args, rt)
+    compiled = torch.compile(model, dynamic=False)
+    tokens = tokens_with_docs(args.seq_len + 1, range(0, args.seq_len, 3000)).to(device)
+    loss = compiled(tokens[:-1], tokens[1:], torch.tensor(T.window_blocks(900, args), device=device))
+    loss.backward()
+    assert loss.item() == pytest.approx(math.log(50304), abs=1e-2)
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    assert grads and all(torch.isfinite(g).all() for g in grads)
+    assert model.lm_head.weight.grad.abs().sum() > 0

@@ -1,0 +1,186 @@
+"""Schedules (lr, Muon momentum, attention window) and the command line, checked against the recipe's numbers."""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import train_gpt as T  # noqa: E402
+
+import math  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+
+def speedrun(*extra):
+    return T.parse_args(["--preset=speedrun", *extra], cuda_available=False)
+
+
+# ----------------------------------------------------------------------------- lr schedule
+
+@pytest.mark.parametrize("step, expected", [
+    (0, 1.0),
+    (1061, 1.0),  # 1061/1770 = 0.59944 < 0.6: still constant
+    (1062, 1.0),  # 1062/1770 = 0.6 exactly: the decay starts here at w = 1
+    (1416, 0.55),  # progress 0.8: w = 0.2/0.4 = 0.5 -> 0.5 + 0.5 * 0.1
+    (1770, 0.1),  # the end: lr_final_frac
+    (1239, 1 - 0.9 * (177 / 708)),  # 177 steps into the 708-step cooldown
+])
+def test_lr_multiplier_matches_recipe(step, expected):
+    args = speedrun()
+    got = T.lr_multiplier(step, args.num_iterations, args.cooldown_frac, args.lr_final_frac)
+    assert got == pytest.approx(expected, abs=1e-12)
+
+
+def test_lr_multiplier_is_monotone_and_linear_in_cooldown():
+    args = speedrun()
+    lrs = [T.lr_multiplier(s, 1770, args.cooldown_frac, args.lr_final_frac) for s in range(1771)]
+    assert all(a >= b for a, b in zip(lrs, lrs[1:]))
+    slopes = {round(lrs[s] - lrs[s + 1], 12) for s in range(1062, 1770)}
+    assert slopes == {round(0.9 / 708, 12)}  # one constant slope: linear decay over the last 708 steps
+
+
+@pytest.mark.parametrize("step, expected", [(0, 0.85), (150, 0.90), (300, 0.95), (1000, 0.95)])
+def test_muon_momentum_warmup(step, expected):
+    args = speedrun()
+    got = T.muon_momentum(step, args.muon_momentum_warmup_steps, args.muon_momentum_start, args.muon_momentum)
+    assert got == pytest.approx(expected, abs=1e-12)
+
+
+# ----------------------------------------------------------------------------- window schedule
+
+def reference_window_blocks(step, n=1770, final=1728):
+    tokens = max(128, math.ceil(final * step / n / 128) * 128)  # next_multiple_of(1728*step/1770, 128), >= 1 block
+    return tokens // 128
+
+
+@pytest.mark.parametrize("step, expected", [
+    (0, 1), (1, 1), (131, 1), (132, 2),  # 1728*131/1770 = 127.9 -> 128; 1728*132/1770 = 128.9 -> 256
+    (885, 7),  # halfway: 864 tokens -> 896 = 7 blocks
+    (1180, 9),  # 1728*1180/1770 = 1152 = 9 blocks exactly (not rounded up to 10)
+    (1770, 14),  # 1728 -> 1792 tokens = 14 blocks
+])
+def test_window_blocks_speedrun(step, expected):
+    args = speedrun()
+    assert T.window_blocks(step, args) == expected == reference_window_blocks(step)
+
+
+def test_window_blocks_every_step_matches_reference():
+    args = speedrun()
+    got = [T.window_blocks(s, args) for s in range(1771)]
+    assert got == [reference_window_blocks(s) for s in range(1771)]
+    assert all(a <= b for a, b in zip(got, got[1:]))
+
+
+def test_full_window_without_sliding_window():
+    args = speedrun("--sliding_window=false")
+    full = max(args.seq_len, args.val_seq_len) // 128
+    assert [T.window_blocks(s, args) for s in (0, 500, 1770)] == [full] * 3
+    # full really is the whole sequence: the dense mask then equals causal-within-document
+    tokens = torch.full((512,), 7)
+    tokens[[0, 200]] = T.EOT_TOKEN
+    mask = T.sliding_window_mask(tokens, torch.tensor(T.window_blocks(0, T.parse_args(
+        ["--preset=cpu", "--sliding_window=false"], False))))
+    docs = (tokens == T.EOT_TOKEN).cumsum(0)
+    causal_doc = torch.ones(512, 512, dtype=torch.bool).tril() & (docs[:, None] == docs[None, :])
+    assert torch.equal(mask, causal_doc)
+
+
+@pytest.mark.parametrize("long, short", [(1, 1), (2, 1), (3, 1), (7, 3), (14, 7)])
+def test_short_window_is_half_the_long_one_at_least_one_block(long, short, monkeypatch):
+    """The model builds its short-window mask with max(1, long // 2) blocks."""
+    args = T.parse_args(["--preset=cpu", "--n_layer=2", "--model_dim=32", "--n_head=1", "--head_dim=32",
+                         "--vocab_size=64", "--seq_len=2048", "--val_seq_len=2048", "--val_tokens=2048"], False)
+    model = T.GPT(args)
+    seen = []
+    monkeypatch.setattr(model, "backend", type("Spy", (T.SDPAAttention,), {
+        "build_mask": staticmethod(lambda tokens, w: seen.append(int(w)) or T.sliding_window_mask(tokens, w))}))
+    tokens = torch.randint(0, 64, (2048,))
+    model(tokens, tokens, torch.tensor(long))
+    assert sorted(seen) == sorted([long, short])
+
+
+# ----------------------------------------------------------------------------- command line
+
+def test_unknown_flag_lists_valid_names():
+    with pytest.raises(T.UsageError) as e:
+        T.parse_args(["--learning_rate=0.1"], False)
+    msg = str(e.value)
+    assert "--learning_rate=0.1" in msg
+    for name in ("--muon_lr=", "--seq_len=", "--preset=", "--sliding_window="):
+        assert name in msg
+
+
+def test_not_a_flag_refused():
+    with pytest.raises(T.UsageError, match="unknown argument 'seed=3'"):
+        T.parse_args(["seed=3"], False)
+
+
+@pytest.mark.parametrize("arg, kind", [("--seed=abc", "int"), ("--muon_lr=fast", "float"),
+                                       ("--muon=maybe", "bool"), ("--seq_len=1.5", "int")])
+def test_bad_value_names_flag_and_type(arg, kind):
+    with pytest.raises(T.UsageError) as e:
+        T.parse_args([arg], False)
+    name, value = arg[2:].split("=")
+    assert f"--{name}" in str(e.value) and value in str(e.value) and kind in str(e.value)
+
+
+def test_flag_without_value():
+    assert T.parse_args(["--checkpoint_final"], False).checkpoint_final is True
+    with pytest.raises(T.UsageError, match="--seed needs a value"):
+        T.parse_args(["--seed"], False)
+
+
+@pytest.mark.parametrize("text, value", [("true", True), ("1", True), ("yes", True), ("ON", True),
+                                         ("false", False), ("0", False), ("no", False), ("Off", False)])
+def test_bool_parsing(text, value):
+    assert T.parse_args([f"--value_embeds={text}"], False).value_embeds is value
+
+
+def test_presets_resolve():
+    cpu = T.parse_args([], cuda_available=False)
+    assert cpu.preset == "cpu" and cpu.n_layer == T.PRESETS["cpu"]["n_layer"] and cpu.model_dim == 256
+    gpu = T.parse_args([], cuda_available=True)
+    assert gpu.preset == "speedrun" and gpu == T.Hyperparameters(preset="speedrun")
+    forced = T.parse_args(["--preset=speedrun"], cuda_available=False)
+    assert (forced.preset, forced.n_layer, forced.model_dim, forced.seq_len) == ("speedrun", 12, 768, 48 * 1024)
+    over = T.parse_args(["--preset=cpu", "--n_layer=4"], False)
+    assert over.n_layer == 4 and over.model_dim == 256  # an override wins over the preset, the rest stays
+    with pytest.raises(T.UsageError, match="unknown preset 'tiny'.*speedrun, cpu"):
+        T.parse_args(["--preset=tiny"], False)
+
+
+def test_recipe_defaults():
+    a = speedrun()
+    assert (a.muon_lr, a.head_lr, a.embed_lr, a.scalar_lr) == (0.05, 0.008, 0.6, 0.04)
+    assert (a.adam_beta1, a.adam_beta2, a.adam_eps, a.weight_decay) == (0.8, 0.95, 1e-10, 0.0)
+    assert (a.num_iterations, a.cooldown_frac, a.lr_final_frac, a.window_final_tokens) == (1770, 0.4, 0.1, 1728)
+    assert a.batch_tokens == 393216 and a.val_tokens == 10_485_760 and a.val_every == 125
+
+
+@pytest.mark.parametrize("arg", ["--seq_len=1000", "--val_seq_len=129"])
+def test_seq_len_not_multiple_of_block_refused(arg):
+    name, value = arg[2:].split("=")
+    with pytest.raises(T.UsageError, match=f"--{name}={value} is not a multiple of the 128-token block"):
+        T.parse_args(["--preset=cpu", arg], False)
+
+
+@pytest.mark.parametrize("arg, match", [("--dtype=fp16", "bf16, fp32"), ("--attention=xformers", "flex, sdpa"),
+                                        ("--n_layer=3", "even depth"), ("--num_iterations=0", "at least 1")])
+def test_other_invalid_settings_refused(arg, match):
+    with pytest.raises(T.UsageError, match=match):
+        T.parse_args(["--preset=cpu", arg], False)
+
+
+@pytest.mark.parametrize("world_size, accum", [(1, 8), (2, 4), (4, 2), (8, 1)])
+def test_gradient_accumulation_keeps_global_batch(world_size, accum):
+    args = speedrun()
+    assert T.gradient_accumulation(args, world_size) == accum
+    assert accum * world_size * args.seq_len == args.batch_tokens
+
+
+@pytest.mark.parametrize("world_size", [3, 5, 16])
+def test_gradient_accumulation_refuses_impossible_world_size(world_size):
+    with pytest.raises(T.UsageError) as e:
+        T.gradient_accumulation(speedrun(), world_size)
+    assert f"world size {world_size}" in str(e.value) and "[1, 2, 4, 8]" in str(e.value)
