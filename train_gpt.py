@@ -673,7 +673,7 @@ class GPT(nn.Module):
         if tokens.numel() % BLOCK_SIZE:
             raise UsageError(f"sequence length {tokens.numel()} is not a multiple of the {BLOCK_SIZE}-token block")
         if not torch.compiler.is_compiling():
-            check_model_inputs(tokens, window_blocks, self.vocab_size)
+            check_model_inputs(tokens, targets, window_blocks, self.vocab_size)
         masks = {True: self.backend.build_mask(tokens, window_blocks),
                  False: self.backend.build_mask(tokens, torch.clamp_min(window_blocks // 2, 1))}
         ve = [emb(tokens)[None] for emb in self.value_embeds]
@@ -692,14 +692,17 @@ class GPT(nn.Module):
         return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
 
 
-def check_model_inputs(tokens: Tensor, window_blocks: Tensor, vocab_size: int) -> None:
-    """Eager-mode guards that would otherwise surface as a wrong mask or a device-side assert."""
+def check_model_inputs(tokens: Tensor, targets: Tensor, window_blocks: Tensor, vocab_size: int) -> None:
+    """Eager-mode guards that would otherwise surface as a wrong mask, a trained padding logit or a
+    device-side assert. Targets may hold -100, cross_entropy's ignore index."""
     if int(window_blocks) < 1:
         raise UsageError(f"attention window of {int(window_blocks)} blocks is below one {BLOCK_SIZE}-token block")
     top = int(tokens.max())
     if top >= vocab_size or int(tokens.min()) < 0:
         raise UsageError(f"token id {top if top >= vocab_size else int(tokens.min())} is outside the vocabulary "
                          f"[0, {vocab_size})")
+    if int(targets.max()) >= vocab_size:
+        raise UsageError(f"target id {int(targets.max())} is outside the vocabulary [0, {vocab_size})")
 
 
 def build_model(args: Hyperparameters, rt: Runtime) -> GPT:
