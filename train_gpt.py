@@ -1380,9 +1380,18 @@ def train(argv: list[str]) -> int:
     checkpoint = find_checkpoint(args) if args.resume else None
     run_id = new_run_id(args, rt)
     log = RunLog(Path(args.log_dir) / f"{run_id}.txt" if rt.is_master else None)
-
     write_log_header(log, args, rt, accum, run_id)
+    try:
+        return run_training(args, rt, log, accum, run_id, checkpoint)
+    except Exception as e:  # the log of a failed run says why it ended, then the error propagates
+        log.write(f"error: {type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}",
+                  echo=False)
+        raise
 
+
+def run_training(args: Hyperparameters, rt: Runtime, log: RunLog, accum: int, run_id: str,
+                 checkpoint: Path | None) -> int:
+    """Data, model and optimizers, the untimed warmup, then the timed loop with validation."""
     train_files = find_shards(args.train_files, "training")
     val_files = find_shards(args.val_files, "validation")
     for f in train_files:
@@ -1508,15 +1517,28 @@ def train(argv: list[str]) -> int:
     return 0
 
 
+COLLECTIVE_FAILURE_MARKERS = ("gloo", "NCCL", "Connection reset", "Connection closed", "Timed out", "timed out",
+                              "ProcessGroup")
+
+
+def is_collective_failure(e: Exception) -> bool:
+    """A peer rank died or stopped answering (gloo and NCCL report it as RuntimeError or DistError)."""
+    return isinstance(e, dist.DistError) or (
+        dist.is_initialized() and isinstance(e, RuntimeError) and any(m in str(e) for m in COLLECTIVE_FAILURE_MARKERS))
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         return train(sys.argv[1:] if argv is None else argv)
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 2
-    except dist.DistError as e:
-        print(f"error: a collective failed on rank {os.environ.get('RANK', '0')} ({str(e).splitlines()[0]}); "
-              "another rank probably died or timed out: see its output", file=sys.stderr, flush=True)
+    except (RuntimeError, dist.DistError) as e:
+        if not is_collective_failure(e):
+            raise
+        reason = str(e).strip().splitlines()[-1][:300]
+        print(f"error: a collective failed on rank {os.environ.get('RANK', '0')} ({reason}); another rank died or "
+              "stopped answering: see its output, then resume from the last checkpoint", file=sys.stderr, flush=True)
         return 3
     finally:
         if dist.is_initialized():

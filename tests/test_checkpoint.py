@@ -145,3 +145,40 @@ def test_failed_write_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
     assert "No space left on device" in str(err.value) and f"previous checkpoint {good} is intact" in str(err.value)
     assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["step_000001"]
     assert before == {f.name: hashlib.sha256(f.read_bytes()).hexdigest() for f in good.iterdir()}
+
+
+def free_port():
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_hung_rank_stops_the_others_after_the_collective_timeout(tmp_path):
+    """Without torchrun to tear the group down, a rank that stops answering makes the others fail in
+    --collective_timeout_s with one line, instead of hanging forever."""
+    port = free_port()
+    args = TINY + ["--num_iterations=500", "--val_every=0", "--run_id=hung", "--collective_timeout_s=8",
+                   f"--log_dir={tmp_path}"]
+    procs = []
+    for rank in range(2):
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+               "WORLD_SIZE": "2", "RANK": str(rank), "LOCAL_RANK": str(rank)}
+        procs.append(subprocess.Popen([sys.executable, str(REPO / "train_gpt.py")] + args, cwd=REPO, env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    log = tmp_path / "hung.txt"
+    deadline = time.time() + 120
+    while time.time() < deadline and not (log.exists() and "step:3/500" in log.read_text()):
+        time.sleep(0.2)
+    procs[1].send_signal(signal.SIGSTOP)
+    try:
+        stopped = time.time()
+        _, err = procs[0].communicate(timeout=90)
+        waited = time.time() - stopped
+    finally:
+        procs[1].kill()
+        procs[1].communicate()
+    assert procs[0].returncode == 3 and waited < 60
+    assert "error: a collective failed on rank 0" in err and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1
+    assert log.read_text().splitlines()[-1].startswith("error: ")
