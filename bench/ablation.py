@@ -1,0 +1,374 @@
+"""Ablation benchmark: what each speedrun technique buys, measured on CPU with the bundled sample.
+
+Trains the full recipe, the recipe with each technique switched off in turn, and a plain
+GPT-2-style AdamW baseline, all at the same token budget and over several seeds. Every run is
+`train_gpt.py` itself in a subprocess with `--name=value` overrides (each switch is one of its
+hyperparameters), so the benchmark measures exactly the trainer that ships.
+
+    python bench/ablation.py                                  # all variants, 3 seeds, 2 parallel jobs
+    python bench/ablation.py --variants=full,baseline --seeds=2 --num_iterations=10
+    python bench/ablation.py --resume-existing                # continue an interrupted benchmark
+
+Writes to --out (default bench/results/):
+    logs/<variant>_s<seed>.json   train_gpt.py's run summary (val_curve, tokens, train_time_ms, ...)
+    logs/<variant>_s<seed>.txt    train_gpt.py's full run log (not committed: it embeds the source)
+    logs/<variant>_s<seed>.out    the subprocess's stdout and stderr
+    ablation.md                   the results table (also printed)
+    ablation.png                  mean validation loss against training tokens, one line per variant
+
+Table columns: final validation loss (mean ± sample std over seeds); tokens the variant's mean
+validation curve needs to reach the baseline's final mean validation loss (the first validation
+point at or below it, linearly interpolated from the point before; "not reached" otherwise); that
+token count divided by the full recipe's; training throughput (tokens / train_time, validation
+excluded, measured while --jobs runs share the machine).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+TRAINER = REPO / "train_gpt.py"
+
+# name -> train_gpt.py overrides. Order is the table's order.
+VARIANTS: dict[str, list[str]] = {
+    "full": [],
+    "no_muon": ["--muon=false"],  # Adam for the hidden matrices, at --matrix_adam_lr
+    "no_value_embeds": ["--value_embeds=false"],
+    "no_unet_skips": ["--unet_skips=false"],
+    "no_softcap": ["--logit_softcap=0"],
+    "no_sliding_window": ["--sliding_window=false"],
+    "no_zero_init": ["--zero_init=false"],
+    "no_qk_norm": ["--qk_norm=false"],
+    "baseline": ["--muon=false", "--value_embeds=false", "--unet_skips=false", "--logit_softcap=0",
+                 "--sliding_window=false", "--zero_init=false", "--mlp_act=gelu", "--weight_decay=0.1"],
+}
+BASELINE, FULL = "baseline", "full"
+BASELINE_NOTE = ("baseline = plain GPT-2-style AdamW: no Muon (AdamW at matrix_adam_lr, weight decay 0.1 on "
+                 "matrices), no value embeddings, no U-net skips, no softcap, full causal attention, random-init "
+                 "output projections, GELU MLP. It keeps what train_gpt.py cannot switch off: rotary embeddings, "
+                 "rms_norm, the x0 mix, attention scale 0.12, and also QK-norm and the recipe's Adam lrs for "
+                 "embeddings/head/scalars.")
+
+# Defaults sized for 9 variants x 3 seeds in about 35 minutes on 2 shared cores with --jobs=2: under the
+# contention we had, a cpu-preset step took 6-10 s on one thread, validating 4096 tokens ~3 s, start-up
+# ~10 s, so a 24-step run took 250-380 s (too long for the budget) and a 12-step run ~140 s.
+DEFAULT_ITERS, DEFAULT_VAL_EVERY, DEFAULT_VAL_TOKENS = 12, 3, 4096
+
+
+# -----------------------------------------------------------------------------
+# Statistics and the table (pure functions, tested on synthetic summaries)
+
+@dataclass
+class Failure:
+    run_id: str
+    variant: str
+    seed: int
+    reason: str  # exit status and the tail of stderr
+
+
+@dataclass
+class VariantStats:
+    name: str
+    seeds: list[int]
+    final_mean: float
+    final_std: float  # sample std (ddof=1); 0 for a single seed
+    curve: list[tuple[int, float]]  # (tokens, mean val loss over seeds) at the validation points all runs share
+    tokens_per_s: float  # mean over runs of tokens / train_time
+    budget_tokens: int
+    failures: list[Failure] = field(default_factory=list)
+
+
+def mean_std(values: list[float]) -> tuple[float, float]:
+    n = len(values)
+    mean = sum(values) / n
+    std = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1)) if n > 1 else 0.0
+    return mean, std
+
+
+def tokens_to_reach(curve: list[tuple[int, float]], target: float) -> float | None:
+    """Tokens at which a (tokens, loss) curve first gets to target or below, linearly interpolated
+    between the validation point before and the first one at or below; None if it never does."""
+    for i, (tokens, loss) in enumerate(curve):
+        if loss <= target:
+            if i == 0:
+                return float(tokens)
+            t0, l0 = curve[i - 1]
+            return t0 + (tokens - t0) * (l0 - target) / (l0 - loss)
+    return None
+
+
+def variant_stats(name: str, summaries: list[dict], failures: list[Failure] | None = None) -> VariantStats:
+    """Aggregates the finished runs (train_gpt.py JSON summaries) of one variant."""
+    if not summaries:
+        raise ValueError(f"variant {name} has no finished runs")
+    finals = [float(s["final_val_loss"]) for s in summaries]
+    mean, std = mean_std(finals)
+    per_run = [{int(step): float(loss) for step, loss, _ in s["val_curve"]} for s in summaries]
+    steps = sorted(set.intersection(*(set(c) for c in per_run)))
+    batch = [int(s["tokens"]) // int(s["steps"]) for s in summaries]
+    if len(set(batch)) != 1:
+        raise ValueError(f"variant {name}: runs have different tokens per step {sorted(set(batch))}")
+    curve = [(step * batch[0], sum(c[step] for c in per_run) / len(per_run)) for step in steps]
+    rates = [s["tokens"] / (s["train_time_ms"] / 1000) for s in summaries if s["train_time_ms"] > 0]
+    return VariantStats(name=name, seeds=[int(s["hyperparameters"]["seed"]) for s in summaries], final_mean=mean,
+                        final_std=std, curve=curve, tokens_per_s=sum(rates) / len(rates) if rates else float("nan"),
+                        budget_tokens=int(summaries[0]["tokens"]), failures=list(failures or []))
+
+
+@dataclass
+class Table:
+    rows: list[dict]  # per variant: name, final, reach_tokens, ratio, tokens_per_s, n
+    target: float | None  # the baseline's final mean val loss
+    headline: str  # full recipe's tokens to the target vs the baseline's budget
+    markdown: str
+
+
+def fmt_tokens(tokens: float | None) -> str:
+    return "not reached" if tokens is None else f"{tokens:,.0f}"
+
+
+def build_table(stats: dict[str, VariantStats], failures: list[Failure], label: str) -> Table:
+    """The markdown results table; needs the baseline for the target and the full recipe for ratios."""
+    base, full = stats.get(BASELINE), stats.get(FULL)
+    target = base.final_mean if base else None
+    reach = {name: tokens_to_reach(s.curve, target) if target is not None else None for name, s in stats.items()}
+    full_reach = reach.get(FULL)
+    rows = []
+    for name, s in stats.items():
+        r = reach[name]
+        ratio = r / full_reach if r is not None and full_reach else None
+        rows.append(dict(name=name, n=len(s.seeds), final_mean=s.final_mean, final_std=s.final_std,
+                         reach_tokens=r, ratio=ratio, tokens_per_s=s.tokens_per_s))
+    if base is None:
+        headline = "no baseline runs finished: tokens-to-reach and ratios are not available"
+    elif full is None:
+        headline = "no full-recipe runs finished: ratios are not available"
+    elif full_reach is None:
+        headline = (f"the full recipe did NOT reach the baseline's final val loss {target:.4f} within "
+                    f"{full.budget_tokens:,} tokens (its final mean: {full.final_mean:.4f})")
+    else:
+        headline = (f"the full recipe reaches the baseline's final val loss {target:.4f} after "
+                    f"{full_reach:,.0f} tokens = {full_reach / base.budget_tokens:.3f} x the baseline's budget "
+                    f"of {base.budget_tokens:,} tokens ({base.budget_tokens / full_reach:.2f}x fewer tokens)")
+    lines = [f"## Ablation: {label}", ""]
+    if target is not None:
+        lines.append(f"Target: the baseline's final mean val loss, {target:.4f}.")
+    lines += [f"Result: {headline}.", "",
+              "| variant | runs | final val loss (mean ± std) | tokens to reach baseline final | ratio to full | "
+              "tokens/s |", "|---|---|---|---|---|---|"]
+    for row in rows:
+        ratio = "n/a" if row["ratio"] is None else f"{row['ratio']:.2f}"
+        lines.append(f"| {row['name']} | {row['n']} | {row['final_mean']:.4f} ± {row['final_std']:.4f} | "
+                     f"{fmt_tokens(row['reach_tokens'])} | {ratio} | {row['tokens_per_s']:,.0f} |")
+    lines += ["", f"Note: {BASELINE_NOTE}",
+              "Std is the sample std over seeds; tokens-to-reach uses the mean curve over seeds; tokens/s is "
+              "training throughput with validation excluded, measured while parallel runs shared the cores."]
+    if failures:
+        lines += ["", "Failed runs (excluded):"]
+        lines += [f"- {f.run_id}: {f.reason}" for f in failures]
+    return Table(rows=rows, target=target, headline=headline, markdown="\n".join(lines) + "\n")
+
+
+# -----------------------------------------------------------------------------
+# Running the trainer
+
+@dataclass
+class RunSpec:
+    variant: str
+    seed: int
+    args: list[str]  # train_gpt.py arguments
+
+    @property
+    def run_id(self) -> str:
+        return f"{self.variant}_s{self.seed}"
+
+
+def run_specs(variants: list[str], seeds: int, num_iterations: int, val_every: int, val_tokens: int,
+              log_dir: Path, overrides: dict[str, list[str]] | None = None) -> list[RunSpec]:
+    """Seed-major order, so an interrupted benchmark has every variant at its first seeds.
+    overrides: per-variant train_gpt.py arguments (default VARIANTS)."""
+    overrides = overrides or VARIANTS
+    specs = []
+    for seed in range(seeds):
+        for name in variants:
+            common = ["--preset=cpu", f"--seed={seed}", f"--num_iterations={num_iterations}",
+                      f"--val_every={val_every}", f"--val_tokens={val_tokens}"]
+            specs.append(RunSpec(name, seed, common + overrides[name] +
+                                 [f"--run_id={name}_s{seed}", f"--log_dir={log_dir}"]))
+    return specs
+
+
+def expected_hyperparameters(spec: RunSpec) -> dict:
+    """What the run's summary must record for --resume-existing to reuse it."""
+    sys.path.insert(0, str(REPO))
+    import train_gpt
+    parsed = train_gpt.parse_args([a for a in spec.args if not a.startswith(("--run_id", "--log_dir"))], False)
+    return {k: v for k, v in vars(parsed).items() if k not in ("run_id", "log_dir")}
+
+
+def reusable_summary(spec: RunSpec, log_dir: Path) -> dict | None:
+    path = log_dir / f"{spec.run_id}.json"
+    try:
+        summary = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    recorded = {k: v for k, v in summary.get("hyperparameters", {}).items() if k not in ("run_id", "log_dir")}
+    if summary.get("status") != "finished" or recorded != expected_hyperparameters(spec):
+        return None
+    return summary
+
+
+def stderr_tail(text: str, lines: int = 8) -> str:
+    tail = [line for line in text.strip().splitlines() if line.strip()][-lines:]
+    return " | ".join(tail) if tail else "(no output)"
+
+
+def run_one(spec: RunSpec, log_dir: Path, threads: int) -> dict | Failure:
+    """Runs train_gpt.py once; returns its summary, or a Failure with the stderr tail."""
+    for suffix in (".json", ".txt", ".out"):  # the run log appends: start each run clean
+        (log_dir / f"{spec.run_id}{suffix}").unlink(missing_ok=True)
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+    proc = subprocess.run([sys.executable, str(TRAINER), *spec.args], cwd=REPO, env=env,
+                          capture_output=True, text=True)
+    (log_dir / f"{spec.run_id}.out").write_text(proc.stdout + "\n---- stderr ----\n" + proc.stderr)
+    path = log_dir / f"{spec.run_id}.json"
+    if proc.returncode != 0 or not path.is_file():
+        return Failure(spec.run_id, spec.variant, spec.seed,
+                       f"exit status {proc.returncode}: {stderr_tail(proc.stderr or proc.stdout)}")
+    return json.loads(path.read_text())
+
+
+def run_all(specs: list[RunSpec], log_dir: Path, jobs: int, resume: bool) -> tuple[dict[str, list[dict]],
+                                                                                  list[Failure]]:
+    log_dir.mkdir(parents=True, exist_ok=True)
+    threads = max(1, (os.cpu_count() or 1) // jobs)
+    results: dict[str, list[dict]] = {}
+    failures: list[Failure] = []
+    todo = []
+    for spec in specs:
+        summary = reusable_summary(spec, log_dir) if resume else None
+        if summary is not None:
+            print(f"reusing {spec.run_id}: final val loss {summary['final_val_loss']:.4f}", flush=True)
+            results.setdefault(spec.variant, []).append(summary)
+        else:
+            todo.append(spec)
+    started = time.time()
+    print(f"{len(todo)} run(s) to train, {jobs} at a time with OMP_NUM_THREADS={threads}", flush=True)
+
+    def job(spec: RunSpec):
+        t = time.time()
+        out = run_one(spec, log_dir, threads)
+        return spec, out, time.time() - t
+
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        for done, (spec, out, seconds) in enumerate(pool.map(job, todo), 1):
+            elapsed = time.time() - started
+            if isinstance(out, Failure):
+                failures.append(out)
+                print(f"[{done}/{len(todo)} {elapsed:.0f}s] FAILED {spec.run_id} ({seconds:.0f}s): {out.reason}",
+                      flush=True)
+            else:
+                results.setdefault(spec.variant, []).append(out)
+                print(f"[{done}/{len(todo)} {elapsed:.0f}s] {spec.run_id}: final val loss "
+                      f"{out['final_val_loss']:.4f} in {seconds:.0f}s", flush=True)
+    return results, failures
+
+
+def plot(stats: dict[str, VariantStats], target: float | None, label: str, path: Path) -> str:
+    """Mean val loss vs tokens per variant (the step-0 point is left out: it only stretches the axis)."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "plot skipped: matplotlib is not installed (pip install matplotlib)"
+    fig, ax = plt.subplots(figsize=(9, 5.5))
+    for name, s in stats.items():
+        pts = [(t, loss) for t, loss in s.curve if t > 0]
+        style = dict(linewidth=2.5, color="black") if name == FULL else \
+            dict(linewidth=2.5, color="tab:red", linestyle="--") if name == BASELINE else dict(linewidth=1.2)
+        ax.plot([t for t, _ in pts], [loss for _, loss in pts], marker="o", markersize=3, label=name, **style)
+    if target is not None:
+        ax.axhline(target, color="gray", linestyle=":", linewidth=1, label=f"baseline final {target:.3f}")
+    ax.set_xlabel("training tokens")
+    ax.set_ylabel("validation loss (mean over seeds)")
+    ax.set_title(label, fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return f"wrote {path}"
+
+
+def parse_cli(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--seeds", type=int, default=3, help="seeds 0..N-1 per variant (default 3)")
+    p.add_argument("--num_iterations", type=int, default=DEFAULT_ITERS, help="training steps of 2048 tokens")
+    p.add_argument("--val_every", type=int, default=DEFAULT_VAL_EVERY, help="validation interval in steps")
+    p.add_argument("--val_tokens", type=int, default=DEFAULT_VAL_TOKENS,
+                   help="validation tokens, a multiple of the cpu preset's val_seq_len 2048")
+    p.add_argument("--variants", default=",".join(VARIANTS),
+                   help="comma-separated subset of: " + ", ".join(VARIANTS))
+    p.add_argument("--jobs", type=int, default=2, help="parallel runs; each gets OMP_NUM_THREADS = cores // jobs")
+    p.add_argument("--out", type=Path, default=REPO / "bench" / "results", help="folder for logs, table, plot")
+    p.add_argument("--baseline-matrix-adam-lr", dest="baseline_lr", type=float, default=None,
+                   help="the baseline's AdamW lr for hidden matrices (default: train_gpt.py's matrix_adam_lr)")
+    p.add_argument("--resume-existing", dest="resume_existing", action="store_true",
+                   help="reuse finished run summaries in OUT/logs whose hyperparameters match")
+    a = p.parse_args(argv)
+    a.variants = [v.strip() for v in a.variants.split(",") if v.strip()]
+    unknown = [v for v in a.variants if v not in VARIANTS]
+    if unknown:
+        p.error(f"unknown variant(s) {', '.join(unknown)}; valid: {', '.join(VARIANTS)}")
+    if a.seeds < 1 or a.jobs < 1 or a.num_iterations < 1 or a.val_every < 0:
+        p.error("--seeds, --jobs and --num_iterations must be >= 1, --val_every >= 0")
+    if a.val_tokens <= 0 or a.val_tokens % 2048:
+        p.error(f"--val_tokens={a.val_tokens} must be a positive multiple of the cpu preset's val_seq_len 2048")
+    return a
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse_cli(sys.argv[1:] if argv is None else argv)
+    out = a.out.resolve()
+    log_dir = out / "logs"
+    cores = os.cpu_count() or 1
+    label = (f"CPU ({cores} cores), bundled State of the Union sample, cpu preset, {a.num_iterations} steps × 2048 "
+             f"tokens, {a.seeds} seed(s), val {a.val_tokens} tokens every {a.val_every} steps, {a.jobs} run(s) "
+             "in parallel")
+    overrides = dict(VARIANTS)
+    if a.baseline_lr is not None:
+        overrides[BASELINE] = VARIANTS[BASELINE] + [f"--matrix_adam_lr={a.baseline_lr}"]
+        label += f", baseline matrix_adam_lr {a.baseline_lr}"
+    specs = run_specs(a.variants, a.seeds, a.num_iterations, a.val_every, a.val_tokens, log_dir, overrides)
+    started = time.time()
+    results, failures = run_all(specs, log_dir, a.jobs, a.resume_existing)
+    stats = {name: variant_stats(name, results[name], [f for f in failures if f.variant == name])
+             for name in a.variants if results.get(name)}
+    for name in a.variants:
+        if name not in stats:
+            print(f"variant {name}: every run failed; left out of the table", flush=True)
+    if not stats:
+        print("error: no run finished; nothing to report", file=sys.stderr)
+        return 1
+    table = build_table(stats, failures, label)
+    text = table.markdown + f"\nWall time of this invocation: {time.time() - started:.0f} s.\n"
+    (out / "ablation.md").write_text(text)
+    print(text)
+    print(plot(stats, table.target, label, out / "ablation.png"))
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

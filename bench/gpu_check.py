@@ -1,0 +1,358 @@
+"""One command to check train_gpt.py's GPU paths on a machine with NVIDIA GPUs (no network needed).
+
+    python bench/gpu_check.py            # all checks, about 10 minutes on one H200 (compiles dominate)
+    python bench/gpu_check.py --quick    # skip the timed speedrun-preset run
+
+What it does, in order:
+  (a) the GPU tests under tests/: `pytest -m gpu` when a `gpu` marker is registered, otherwise the
+      tests whose names say cuda/gpu (`-k "cuda or gpu"`; they skip themselves without CUDA), falling
+      back to the whole of tests/test_model.py and tests/test_optim.py when that selects nothing;
+  (b) the FP8 head against a reference: train_gpt.fp8_matmul vs a bf16 matmul, forward and both
+      gradients, as relative errors to an fp32 matmul (only with compute capability >= 8.9), and
+      compiled FlexAttention (the model's FlexAttention backend with sliding_window_block_mask)
+      against the SDPA dense-mask path at T=4096, forward and input gradients;
+  (c) the speedrun preset for a few dozen steps under torchrun on the visible GPUs, on synthetic
+      FineWeb-format shards written to a temporary folder: ms/step and peak memory from its log.
+Then it prints one summary table (check | result | numbers), with every skip and its reason.
+
+Without a CUDA GPU nothing GPU-specific can run: it says so, lists the skips and exits 0.
+Exit status: 0 when nothing failed, 1 when a check failed or errored (a pytest part that runs out of
+its time share is reported as "timeout", not as a failure).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+GLOBAL_BATCH = 8 * 48 * 1024  # the speedrun preset's tokens per optimizer step
+SEQUENCES_PER_STEP = 8  # 48K-token sequences per step: the world size must divide it
+VAL_SEQ_LEN = 64 * 1024
+FP8_SHAPE = (2048, 768, 8192)  # rows, model dim, vocabulary slice of the head check; rows >= ~1024 keep the
+# mean-loss gradient times the fixed 2**19 scale inside float8_e5m2's range (57344), as in training
+FLEX_SHAPE = (4096, 6, 128)  # tokens, heads, head dim of the attention check (the speedrun's heads)
+
+Row = tuple[str, str, str]  # check, result, numbers
+
+
+def say(text: str) -> None:
+    print(text, flush=True)
+
+
+# -----------------------------------------------------------------------------
+# (a) GPU tests
+
+def gpu_marker_registered() -> bool:
+    """True when a pytest config in the repo registers a `gpu` marker."""
+    for name in ("pytest.ini", "pyproject.toml", "setup.cfg", "tox.ini", "tests/conftest.py", "conftest.py"):
+        path = REPO / name
+        if path.is_file() and re.search(r"""["']?gpu\s*:""", path.read_text(errors="replace")) and \
+                "markers" in path.read_text(errors="replace"):
+            return True
+    return False
+
+
+def pytest_counts(output: str) -> str:
+    """The final 'N passed, M skipped ...' summary of a pytest run."""
+    lines = [line.strip("= ") for line in output.splitlines() if re.search(r"\d+ (passed|failed|skipped|error)", line)]
+    return lines[-1] if lines else "no summary line"
+
+
+def run_pytest(selection: list[str], timeout: float) -> tuple[int | None, str]:
+    cmd = [sys.executable, "-m", "pytest", *selection, "-q", "-rA", "-p", "no:cacheprovider"]
+    say("$ " + " ".join(cmd))
+    try:
+        proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as e:
+        out = (e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
+        return None, out
+    return proc.returncode, proc.stdout + proc.stderr
+
+
+def check_tests(timeout: float) -> list[Row]:
+    if gpu_marker_registered():
+        attempts = [("-m gpu", ["tests", "-m", "gpu"])]
+    else:
+        files = [f for f in ("tests/test_model.py", "tests/test_optim.py") if (REPO / f).is_file()]
+        attempts = [('-k "cuda or gpu"', ["tests", "-k", "cuda or gpu"]),
+                    ("whole " + " ".join(files), files)] if files else [('-k "cuda or gpu"', ["tests", "-k", "cuda or gpu"])]
+    started = time.time()
+    for how, selection in attempts:
+        rc, out = run_pytest(selection, max(10.0, timeout - (time.time() - started)))
+        for line in out.splitlines():
+            if line.startswith(("PASSED", "FAILED", "SKIPPED", "ERROR", "XFAIL", "XPASS")):
+                say("  " + line)
+        if rc == 5:  # nothing selected: try the next selection
+            say(f"  pytest {how}: no tests selected")
+            continue
+        if rc is None:
+            return [("pytest (GPU tests)", "timeout", f"{how}: stopped after {timeout:.0f}s (raise --tests-timeout-s); "
+                     f"so far: {pytest_counts(out)}")]
+        if rc != 0:
+            tail = " | ".join(out.strip().splitlines()[-3:])
+            return [("pytest (GPU tests)", "FAIL", f"{how}: exit {rc}; {pytest_counts(out)}; {tail[:300]}")]
+        return [("pytest (GPU tests)", "ok", f"{how}: {pytest_counts(out)} in {time.time() - started:.0f}s")]
+    return [("pytest (GPU tests)", "skipped: no GPU tests found", "no gpu marker and no test names with cuda/gpu")]
+
+
+# -----------------------------------------------------------------------------
+# (b) FP8 and FlexAttention against reference paths
+
+def rel_err(a, b) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
+
+
+def check_fp8(T, torch) -> Row:
+    """fp8_matmul (forward, grad_x, grad_w) and a bf16 matmul, each against fp32, under a mean
+    cross-entropy loss, so the gradients have the magnitude the fixed FP8 scales were chosen for."""
+    import torch.nn.functional as F
+    device = torch.device("cuda")
+    if not T.fp8_supported(device):
+        cap = torch.cuda.get_device_capability(device)
+        return ("fp8_matmul vs bf16", "skipped: no FP8", f"compute capability {cap[0]}.{cap[1]} < 8.9")
+    g = torch.Generator(device="cpu").manual_seed(0)
+    n, d, vocab = FP8_SHAPE
+    x0 = torch.randn(n, d, generator=g)
+    x0 = (x0 / x0.pow(2).mean(-1, keepdim=True).sqrt()).to(device)  # rms-normed, like the head's input
+    w0 = (torch.rand(vocab, d, generator=g) * 2 - 1).mul(3 ** 0.5 * 0.5 / d ** 0.5).to(device)
+    targets = torch.randint(0, vocab, (n,), generator=g).to(device)
+
+    def run(kind: str):
+        x = x0.to(torch.float32 if kind == "fp32" else torch.bfloat16, copy=True).requires_grad_()
+        w = w0.clone().requires_grad_()
+        if kind == "fp8":
+            out = T.fp8_matmul(x, w, T.FP8_SCALES["x_scale"], T.FP8_SCALES["w_scale"])[0]
+        elif kind == "bf16":
+            out = F.linear(x, w.type_as(x))
+        else:
+            out = F.linear(x, w)
+        F.cross_entropy(out.float() * 8, targets).backward()  # * 8: logits of a trained head's size
+        return out.detach(), x.grad, w.grad
+
+    ref, fp8, bf16 = run("fp32"), run("fp8"), run("bf16")
+    names = ("out", "grad_x", "grad_w")
+    e8 = [rel_err(a, r) for a, r in zip(fp8, ref)]
+    e16 = [rel_err(a, r) for a, r in zip(bf16, ref)]
+    limits = (0.1, 0.3, 0.3)  # e4m3 keeps 3 mantissa bits, e5m2 two
+    finite = all(bool(torch.isfinite(t).all()) for t in fp8)
+    ok = finite and all(e <= lim for e, lim in zip(e8, limits))
+    numbers = "rel err vs fp32, fp8/bf16: " + ", ".join(f"{k} {a:.3g}/{b:.3g}" for k, a, b in zip(names, e8, e16))
+    return ("fp8_matmul vs bf16", "ok" if ok else "FAIL", numbers + ("" if finite else " (non-finite values)"))
+
+
+def check_flex(T, torch) -> Row:
+    """Compiled FlexAttention with the block mask vs SDPA with the dense mask, T=4096, bf16, both
+    against an fp32 SDPA reference; passes when flex is about as close to it as bf16 SDPA is."""
+    device = torch.device("cuda")
+    g = torch.Generator(device="cpu").manual_seed(0)
+    t, h, d = FLEX_SHAPE
+    tokens = torch.randint(0, 50000, (t,), generator=g)
+    tokens[torch.randint(1, t, (12,), generator=g)] = T.EOT_TOKEN  # documents of random lengths
+    tokens[0] = T.EOT_TOKEN
+    tokens = tokens.to(device)
+    window = torch.tensor(8, device=device)  # 1024 tokens: the window cuts through documents
+    q0, k0, v0 = (torch.randn(1, t, h, d, generator=g).to(device) for _ in range(3))
+    grad = torch.randn(1, t, h, d, generator=g).to(device)
+    scale = 0.12
+
+    def run(attend, mask, dtype):
+        q, k, v = (x.to(dtype, copy=True).requires_grad_() for x in (q0, k0, v0))
+        out = attend(q, k, v, mask, scale)
+        out.backward(grad.to(dtype))
+        return [out.detach().float(), q.grad.float(), k.grad.float(), v.grad.float()]
+
+    dense = T.sliding_window_mask(tokens, window)
+    ref = run(T.SDPAAttention.attend, dense, torch.float32)
+    sdpa = run(T.SDPAAttention.attend, dense, torch.bfloat16)
+    started = time.time()
+    flex_attend = torch.compile(T.FlexAttention.attend, dynamic=False)
+    flex = run(flex_attend, T.sliding_window_block_mask(tokens, window), torch.bfloat16)
+    compile_s = time.time() - started
+    names = ("out", "dq", "dk", "dv")
+    diff_flex = [(a - r).abs().max().item() for a, r in zip(flex, ref)]
+    diff_sdpa = [(a - r).abs().max().item() for a, r in zip(sdpa, ref)]
+    flex_vs_sdpa = [(a - b).abs().max().item() for a, b in zip(flex, sdpa)]
+    ok = all(f <= max(2 * s, 1e-2) for f, s in zip(diff_flex, diff_sdpa)) and all(
+        torch.isfinite(x).all() for x in flex)
+    numbers = ("max |flex - sdpa| " + ", ".join(f"{k} {v:.2e}" for k, v in zip(names, flex_vs_sdpa)) +
+               "; vs fp32 ref, flex/sdpa-bf16: " + ", ".join(f"{k} {a:.1e}/{b:.1e}" for k, a, b in
+                                                              zip(names, diff_flex, diff_sdpa)) +
+               f"; compile+run {compile_s:.0f}s")
+    return ("FlexAttention vs SDPA, T=4096", "ok" if ok else "FAIL", numbers)
+
+
+def check_kernels(torch) -> list[Row]:
+    sys.path.insert(0, str(REPO))
+    import train_gpt as T
+    rows = []
+    for check in (check_fp8, check_flex):
+        try:
+            rows.append(check(T, torch))
+        except Exception as e:  # a kernel that cannot run is the finding: report it and go on
+            name = "fp8_matmul vs bf16" if check is check_fp8 else "FlexAttention vs SDPA, T=4096"
+            rows.append((name, "error", f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"))
+        finally:
+            torch.cuda.empty_cache()
+    return rows
+
+
+# -----------------------------------------------------------------------------
+# (c) the speedrun preset, timed
+
+def write_shard(path: Path, n_tokens: int, seed: int) -> None:
+    """A FineWeb-format shard (256 int32 header: magic, version, count; then uint16 tokens) of random
+    tokens, split into documents of random length, each starting with the EOT token 50256."""
+    import numpy as np
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(0, 50256, size=n_tokens, dtype=np.uint16)
+    starts = np.cumsum(rng.geometric(1 / 1000, size=n_tokens // 200 + 2))
+    tokens[0] = 50256
+    tokens[starts[starts < n_tokens]] = 50256
+    header = np.zeros(256, dtype="<i4")
+    header[:3] = (20240520, 1, n_tokens)
+    with open(path, "wb") as f:
+        f.write(header.tobytes())
+        f.write(tokens.astype("<u2").tobytes())
+
+
+def parse_train_log(text: str) -> dict:
+    """ms/step (step_avg of the last training step line), peak memory and final val loss from a run log."""
+    found: dict = {}
+    steps = re.findall(r"^step:(\d+)/(\d+) (?!val_loss)[^\n]*?step_avg:([\d.]+)ms", text, re.M)
+    if steps:
+        found["step"], found["of"], found["step_avg_ms"] = int(steps[-1][0]), int(steps[-1][1]), float(steps[-1][2])
+    m = re.search(r"peak memory allocated: (\d+) MiB reserved: (\d+) MiB", text)
+    if m:
+        found["peak_alloc_mib"], found["peak_reserved_mib"] = int(m[1]), int(m[2])
+    m = re.search(r"^final: val_loss:(\S+)", text, re.M)
+    if m:
+        found["final_val_loss"] = m[1]
+    return found
+
+
+def check_speedrun(n_gpus: int, steps: int, warmup: int, timeout: float) -> Row:
+    nproc = max(w for w in (1, 2, 4, 8) if w <= n_gpus and SEQUENCES_PER_STEP % w == 0)
+    name = f"speedrun preset, {nproc} GPU(s), {steps} steps"
+    val_tokens = 4 * VAL_SEQ_LEN
+    with tempfile.TemporaryDirectory(prefix="gpu_check_") as tmp:
+        tmp = Path(tmp)
+        write_shard(tmp / "synth_train_000001.bin", (max(steps, warmup) + 1) * GLOBAL_BATCH + 1, seed=1)
+        write_shard(tmp / "synth_val_000000.bin", val_tokens + 1, seed=2)
+        log_dir = tmp / "logs"
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+               str(REPO / "train_gpt.py"), "--preset=speedrun", f"--num_iterations={steps}", "--val_every=0",
+               f"--warmup_steps={warmup}", f"--val_tokens={val_tokens}",
+               f"--train_files={tmp}/synth_train_*.bin", f"--val_files={tmp}/synth_val_*.bin",
+               f"--log_dir={log_dir}", "--run_id=gpu_check"]
+        say("$ " + " ".join(cmd))
+        out_path = tmp / "stdout.txt"
+        started = time.time()
+        with open(out_path, "w") as out:
+            proc = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                    env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "4")})
+            try:
+                rc = proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGTERM)
+                try:
+                    proc.wait(timeout=20)
+                except subprocess.TimeoutExpired:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait()
+                rc = None
+        wall = time.time() - started
+        text = out_path.read_text(errors="replace")
+        log = log_dir / "gpu_check.txt"
+        if log.is_file():
+            text += "\n" + log.read_text(errors="replace")
+    found = parse_train_log(text)
+    parts = []
+    if "step_avg_ms" in found:
+        parts.append(f"{found['step_avg_ms']:.1f} ms/step at step {found['step']}/{found['of']} "
+                     f"({GLOBAL_BATCH / found['step_avg_ms'] * 1000:,.0f} tokens/s)")
+    if "peak_alloc_mib" in found:
+        parts.append(f"peak memory {found['peak_alloc_mib']} MiB allocated, {found['peak_reserved_mib']} MiB "
+                     "reserved (rank 0)")
+    if "final_val_loss" in found:
+        parts.append(f"final val loss {found['final_val_loss']} (random tokens)")
+    parts.append(f"wall {wall:.0f}s incl. compile")
+    if rc is None:
+        return (name, "FAIL", f"timed out after {timeout:.0f}s; " + "; ".join(parts))
+    if rc != 0 or "step_avg_ms" not in found:
+        tail = " | ".join(line for line in text.strip().splitlines()[-4:])
+        return (name, "FAIL", f"exit {rc}: {tail[:400]}")
+    return (name, "ok", "; ".join(parts))
+
+
+# -----------------------------------------------------------------------------
+
+def print_table(rows: list[Row]) -> None:
+    widths = [max(len(r[i]) for r in rows + [("check", "result", "numbers")]) for i in range(2)]
+    say("")
+    say(f"{'check':<{widths[0]}} | {'result':<{widths[1]}} | numbers")
+    say(f"{'-' * widths[0]}-+-{'-' * widths[1]}-+-{'-' * 7}")
+    for check, result, numbers in rows:
+        say(f"{check:<{widths[0]}} | {result:<{widths[1]}} | {numbers}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="skip (c), the timed speedrun-preset run")
+    p.add_argument("--skip-tests", action="store_true", help="skip (a), the GPU pytest tests")
+    p.add_argument("--steps", type=int, default=40, help="timed steps of the speedrun preset (default 40)")
+    p.add_argument("--warmup", type=int, default=10, help="untimed compile/warm-up steps (default 10)")
+    p.add_argument("--budget-s", type=float, default=570, help="overall time budget in seconds (default 570)")
+    p.add_argument("--tests-timeout-s", type=float, default=0,
+                   help="time limit of the pytest part (default: 35%% of the budget, 70%% with --quick)")
+    a = p.parse_args(sys.argv[1:] if argv is None else argv)
+    deadline = time.time() + a.budget_s
+
+    import torch
+    say(f"python {platform.python_version()}, torch {torch.__version__}, CUDA build {torch.version.cuda}")
+    rows: list[Row] = []
+    names = ("pytest (GPU tests)", "fp8_matmul vs bf16", "FlexAttention vs SDPA, T=4096", "speedrun preset timing")
+    if not torch.cuda.is_available():
+        reason = "skipped: no CUDA GPU"
+        say("no CUDA GPU visible (torch.cuda.is_available() is False): nothing GPU-specific can run here")
+        print_table([(n, reason, "") for n in names])
+        say("skipped: every check (no CUDA GPU); run this on a machine with NVIDIA GPUs")
+        return 0
+
+    n_gpus = torch.cuda.device_count()
+    for i in range(n_gpus):
+        props = torch.cuda.get_device_properties(i)
+        say(f"GPU {i}: {props.name}, compute capability {props.major}.{props.minor}, "
+            f"{props.total_memory / 2**30:.0f} GiB")
+
+    if a.skip_tests:
+        rows.append((names[0], "skipped: --skip-tests", ""))
+    else:
+        cap = a.tests_timeout_s or (deadline - time.time()) * (0.35 if not a.quick else 0.7)
+        rows += check_tests(cap)
+    rows += check_kernels(torch)
+    if a.quick:
+        rows.append((names[3], "skipped: --quick", ""))
+    else:
+        remaining = deadline - time.time()
+        if remaining < 120:
+            rows.append((names[3], "skipped: out of time", f"{remaining:.0f}s of --budget-s left, need >= 120"))
+        else:
+            rows.append(check_speedrun(n_gpus, a.steps, a.warmup, remaining))
+    print_table(rows)
+    skipped = [r for r in rows if r[1].startswith("skipped")]
+    if skipped:
+        say("skipped: " + "; ".join(f"{r[0]} ({r[1].removeprefix('skipped: ')})" for r in skipped))
+    return 1 if any(r[1] in ("FAIL", "error") for r in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,228 @@
+"""bench/: the ablation table's statistics on synthetic run summaries, the variants' overrides, and
+gpu_check.py's no-GPU path and parsers. No training runs here (the failing run exits at argument parsing)."""
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "bench"))
+sys.path.insert(0, str(REPO))
+
+import ablation as A  # noqa: E402
+import gpu_check as G  # noqa: E402
+import train_gpt as T  # noqa: E402
+
+
+def summary(variant, seed, losses, val_every=3, batch=2048, train_time_ms=10_000.0, hyperparameters=None):
+    """A train_gpt.py-shaped JSON summary with validation at steps 0, val_every, 2*val_every, ..."""
+    steps = val_every * (len(losses) - 1)
+    curve = [[i * val_every, loss, train_time_ms * i / (len(losses) - 1)] for i, loss in enumerate(losses)]
+    return {"run_id": f"{variant}_s{seed}", "steps": steps, "tokens": steps * batch, "final_val_loss": losses[-1],
+            "train_time_ms": train_time_ms, "val_curve": curve, "status": "finished",
+            "hyperparameters": hyperparameters or {"seed": seed}}
+
+
+# ---------------------------------------------------------------- statistics
+
+def test_tokens_to_reach_interpolates_between_the_bracketing_points():
+    curve = [(0, 10.0), (100, 8.0), (200, 6.0), (300, 5.0)]
+    assert A.tokens_to_reach(curve, 7.0) == pytest.approx(150.0)
+    assert A.tokens_to_reach(curve, 5.5) == pytest.approx(250.0)
+    assert A.tokens_to_reach(curve, 6.0) == pytest.approx(200.0)  # exactly on a point
+    assert A.tokens_to_reach(curve, 5.0) == pytest.approx(300.0)
+    assert A.tokens_to_reach(curve, 4.99) is None
+    assert A.tokens_to_reach(curve, 11.0) == 0.0  # already there at the first point
+
+
+def test_tokens_to_reach_takes_the_first_crossing_of_a_non_monotone_curve():
+    curve = [(0, 10.0), (100, 6.0), (200, 7.0), (300, 5.0)]
+    assert A.tokens_to_reach(curve, 6.5) == pytest.approx(87.5)
+
+
+def test_mean_std_is_the_sample_std():
+    mean, std = A.mean_std([1.0, 2.0, 3.0, 4.0])
+    assert mean == 2.5 and std == pytest.approx(math.sqrt(5 / 3))
+    assert A.mean_std([3.0]) == (3.0, 0.0)
+
+
+def test_variant_stats_averages_curves_over_seeds():
+    runs = [summary("full", 0, [10.0, 8.0, 6.0], train_time_ms=6144.0),
+            summary("full", 1, [10.0, 7.0, 5.0], train_time_ms=12288.0)]
+    s = A.variant_stats("full", runs)
+    assert s.seeds == [0, 1]
+    assert s.final_mean == pytest.approx(5.5) and s.final_std == pytest.approx(math.sqrt(0.5))
+    assert s.curve == [(0, 10.0), (3 * 2048, 7.5), (6 * 2048, 5.5)]
+    assert s.budget_tokens == 6 * 2048
+    assert s.tokens_per_s == pytest.approx((12288 / 6.144 + 12288 / 12.288) / 2)
+
+
+def test_variant_stats_uses_only_validation_steps_every_run_has():
+    a = summary("full", 0, [10.0, 8.0, 6.0])  # steps 0, 3, 6
+    b = summary("full", 1, [10.0, 9.0, 7.0, 6.0], val_every=2)  # steps 0, 2, 4, 6
+    assert [t for t, _ in A.variant_stats("full", [a, b]).curve] == [0, 6 * 2048]
+
+
+def test_table_targets_the_baseline_and_reports_ratios_to_full():
+    stats = {
+        "full": A.variant_stats("full", [summary("full", s, [10.0, 6.0, 4.0, 3.0]) for s in range(3)]),
+        "no_muon": A.variant_stats("no_muon", [summary("no_muon", s, [10.0, 8.0, 6.0, 4.5]) for s in range(3)]),
+        "no_qk_norm": A.variant_stats("no_qk_norm", [summary("no_qk_norm", 0, [10.0, 9.0, 8.0, 7.0])]),
+        "baseline": A.variant_stats("baseline", [summary("baseline", 0, [10.0, 8.0, 6.0, 5.0]),
+                                                 summary("baseline", 1, [10.0, 8.0, 6.0, 5.0])]),
+    }
+    table = A.build_table(stats, [], "LABEL")
+    assert table.target == pytest.approx(5.0)
+    rows = {r["name"]: r for r in table.rows}
+    step = 3 * 2048
+    # full: 6.0 at 1 step-block, 4.0 at 2 -> 5.0 halfway
+    assert rows["full"]["reach_tokens"] == pytest.approx(1.5 * step) and rows["full"]["ratio"] == pytest.approx(1.0)
+    # no_muon: 6.0 at 2, 4.5 at 3 -> 5.0 at 2 + 1/1.5
+    assert rows["no_muon"]["reach_tokens"] == pytest.approx((2 + 1 / 1.5) * step)
+    assert rows["no_muon"]["ratio"] == pytest.approx((2 + 1 / 1.5) / 1.5)
+    assert rows["baseline"]["reach_tokens"] == pytest.approx(3 * step)  # its own budget, by construction
+    assert rows["baseline"]["ratio"] == pytest.approx(2.0)
+    assert rows["no_qk_norm"]["reach_tokens"] is None and rows["no_qk_norm"]["ratio"] is None
+    md = table.markdown
+    assert "LABEL" in md and "| no_qk_norm | 1 | 7.0000 ± 0.0000 | not reached | n/a |" in md
+    assert f"{1.5 * step:,.0f} tokens = 0.500 x the baseline's budget" in table.headline
+    assert "rotary" in md  # the baseline keeps rotary, and says so
+
+
+def test_table_says_so_when_full_does_not_reach_the_baseline():
+    stats = {"full": A.variant_stats("full", [summary("full", 0, [10.0, 8.0, 6.0])]),
+             "baseline": A.variant_stats("baseline", [summary("baseline", 0, [10.0, 7.0, 5.0])])}
+    table = A.build_table(stats, [], "L")
+    assert "did NOT reach" in table.headline and "6.0000" in table.headline
+
+
+def test_failed_run_is_reported_by_name_and_excluded():
+    failure = A.Failure("full_s2", "full", 2, "exit status 2: error: something broke")
+    stats = {"full": A.variant_stats("full", [summary("full", s, [10.0, 6.0]) for s in range(2)], [failure]),
+             "baseline": A.variant_stats("baseline", [summary("baseline", 0, [10.0, 7.0])])}
+    table = A.build_table(stats, [failure], "L")
+    assert {r["name"]: r["n"] for r in table.rows}["full"] == 2
+    assert "Failed runs (excluded):\n- full_s2: exit status 2: error: something broke" in table.markdown
+
+
+def test_run_one_turns_a_failing_trainer_into_a_failure_with_its_stderr(tmp_path):
+    spec = A.RunSpec("full", 0, ["--preset=cpu", "--no_such_flag=1", "--run_id=full_s0", f"--log_dir={tmp_path}"])
+    out = A.run_one(spec, tmp_path, threads=1)
+    assert isinstance(out, A.Failure) and out.run_id == "full_s0"
+    assert "exit status 2" in out.reason and "unknown argument '--no_such_flag=1'" in out.reason
+    assert (tmp_path / "full_s0.out").is_file()
+
+
+# ---------------------------------------------------------------- variants and runs
+
+@pytest.mark.parametrize("name", list(A.VARIANTS))
+def test_variant_overrides_are_train_gpt_hyperparameters(name):
+    args = T.parse_args(["--preset=cpu", *A.VARIANTS[name]], False)
+    cpu = T.parse_args(["--preset=cpu"], False)
+    changed = {k for k in vars(cpu) if getattr(args, k) != getattr(cpu, k)}
+    expected = {arg.removeprefix("--").split("=")[0] for arg in A.VARIANTS[name]}
+    assert changed == expected  # every override takes effect, none is a no-op
+
+
+def test_variants_switch_what_they_say():
+    def parse(name):
+        return T.parse_args(["--preset=cpu", *A.VARIANTS[name]], False)
+
+    assert not parse("no_muon").muon and parse("no_softcap").logit_softcap == 0
+    assert not parse("no_sliding_window").sliding_window and not parse("no_zero_init").zero_init
+    base = parse("baseline")
+    assert (base.muon, base.value_embeds, base.unet_skips, base.sliding_window, base.zero_init) == (False,) * 5
+    assert base.mlp_act == "gelu" and base.weight_decay == 0.1 and base.logit_softcap == 0
+    assert parse("full") == T.parse_args(["--preset=cpu"], False)
+
+
+def test_run_specs_are_seed_major_with_unique_ids(tmp_path):
+    specs = A.run_specs(["full", "baseline"], 3, 12, 3, 4096, tmp_path)
+    assert [s.run_id for s in specs] == ["full_s0", "baseline_s0", "full_s1", "baseline_s1", "full_s2", "baseline_s2"]
+    for spec in specs:
+        args = T.parse_args(spec.args, False)
+        assert (args.seed, args.num_iterations, args.val_every, args.val_tokens) == (spec.seed, 12, 3, 4096)
+        assert args.run_id == spec.run_id and args.log_dir == str(tmp_path) and args.preset == "cpu"
+
+
+def test_baseline_lr_override_reaches_only_the_baseline(tmp_path):
+    lr = A.parse_cli(["--baseline-matrix-adam-lr=0.008"]).baseline_lr
+    overrides = {**A.VARIANTS, "baseline": A.VARIANTS["baseline"] + [f"--matrix_adam_lr={lr}"]}
+    specs = {s.variant: s for s in A.run_specs(["no_muon", "baseline"], 1, 12, 3, 4096, tmp_path, overrides)}
+    assert T.parse_args(specs["baseline"].args, False).matrix_adam_lr == 0.008
+    assert T.parse_args(specs["no_muon"].args, False).matrix_adam_lr == T.Hyperparameters().matrix_adam_lr
+
+
+def test_cli_refuses_unknown_variants_and_bad_val_tokens():
+    with pytest.raises(SystemExit):
+        A.parse_cli(["--variants=full,no_such"])
+    with pytest.raises(SystemExit):
+        A.parse_cli(["--val_tokens=3000"])
+    assert A.parse_cli(["--variants=full, baseline"]).variants == ["full", "baseline"]
+
+
+def write_finished_runs(log_dir, variants, seeds, curves):
+    log_dir.mkdir(parents=True)
+    for spec in A.run_specs(variants, seeds, 6, 3, 4096, log_dir):
+        losses = [v - 0.01 * spec.seed for v in curves[spec.variant]]
+        s = summary(spec.variant, spec.seed, losses, hyperparameters=A.expected_hyperparameters(spec))
+        (log_dir / f"{spec.run_id}.json").write_text(json.dumps(s))
+
+
+def test_resume_existing_reuses_matching_summaries_and_writes_table_and_plot(tmp_path):
+    out = tmp_path / "out"
+    write_finished_runs(out / "logs", ["full", "baseline"], 2, {"full": [10.8, 6.0, 5.0], "baseline": [10.8, 7.0, 6.0]})
+    rc = A.main(["--resume-existing", "--variants=full,baseline", "--seeds=2", "--num_iterations=6",
+                 "--val_every=3", "--val_tokens=4096", f"--out={out}"])
+    assert rc == 0
+    md = (out / "ablation.md").read_text()
+    assert "6 steps × 2048 tokens" in md and "| baseline | 2 | 5.9950 ± 0.0071 |" in md
+    assert (out / "ablation.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_resume_existing_ignores_summaries_of_other_settings(tmp_path):
+    log_dir = tmp_path / "logs"
+    write_finished_runs(log_dir, ["full"], 1, {"full": [10.8, 6.0, 5.0]})
+    spec = A.run_specs(["full"], 1, 6, 3, 4096, log_dir)[0]
+    assert A.reusable_summary(spec, log_dir)["final_val_loss"] == 5.0
+    other = A.run_specs(["full"], 1, 9, 3, 4096, log_dir)[0]  # a different step count: must train again
+    assert A.reusable_summary(other, log_dir) is None
+
+
+# ---------------------------------------------------------------- gpu_check.py
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU machine gpu_check.py runs the real checks")
+def test_gpu_check_without_a_gpu_reports_skips_and_exits_0():
+    proc = subprocess.run([sys.executable, str(REPO / "bench" / "gpu_check.py")], capture_output=True, text=True,
+                          timeout=120, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr
+    assert "nothing GPU-specific can run" in proc.stdout and f"torch {torch.__version__}" in proc.stdout
+    for check in ("pytest (GPU tests)", "fp8_matmul vs bf16", "FlexAttention vs SDPA", "speedrun preset timing"):
+        assert check in proc.stdout
+    assert proc.stdout.count("skipped: no CUDA GPU") == 4
+
+
+def test_gpu_check_shards_are_valid_train_gpt_shards(tmp_path):
+    path = tmp_path / "synth_train_000001.bin"
+    G.write_shard(path, 50_000, seed=0)
+    assert T.shard_token_count(path) == 50_000
+    tokens = np.asarray(T.load_shard(path, 50257))
+    assert tokens[0] == T.EOT_TOKEN and 10 < (tokens == T.EOT_TOKEN).sum() < 500
+
+
+def test_gpu_check_parses_the_run_log():
+    log = "\n".join([
+        "step:0/40 val_loss:10.8258 train_time:0ms step_avg:0.00ms",
+        "step:39/40 train_time:30000ms step_avg:769.23ms",
+        "step:40/40 train_time:30800ms step_avg:770.00ms",
+        "step:40/40 val_loss:10.9000 train_time:30800ms step_avg:770.00ms",
+        "peak memory allocated: 61234 MiB reserved: 70000 MiB",
+        "final: val_loss:10.9000 steps:40 tokens:15728640 train_time:30800ms"])
+    found = G.parse_train_log(log)
+    assert found == {"step": 40, "of": 40, "step_avg_ms": 770.0, "peak_alloc_mib": 61234,
+                     "peak_reserved_mib": 70000, "final_val_loss": "10.9000"}
