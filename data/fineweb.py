@@ -57,11 +57,6 @@ class UserError(Exception):
     """Reported as one line on stderr, exit status 1."""
 
 
-def _one_line(text: object, limit: int = 300) -> str:
-    s = " ".join(str(text).split())
-    return s if len(s) <= limit else s[: limit - 1] + "…"
-
-
 # --- document sources ------------------------------------------------------------------------
 
 
@@ -128,7 +123,7 @@ def docs_from_parquet(path: Path, field: str) -> Iterator[str]:
     try:
         pf = pq.ParquetFile(path)
     except Exception as e:  # noqa: BLE001 - pyarrow raises several types for unreadable files
-        raise UserError(f"cannot read {path} as Parquet: {_one_line(e, 120)}") from e
+        raise UserError(f"cannot read {path} as Parquet: {shardio.one_line(e, 120)}") from e
     if field not in pf.schema_arrow.names:
         raise UserError(f"{path} has no column {field!r} (columns: {', '.join(pf.schema_arrow.names)}); use --text_field")
     for batch in pf.iter_batches(columns=[field], batch_size=1024):
@@ -177,7 +172,7 @@ def docs_from_fineweb(version: str, streaming: bool) -> Iterator[str]:
     try:
         ds = datasets.load_dataset(repo, name=config, split="train", streaming=streaming)
     except Exception as e:  # noqa: BLE001 - datasets/hub raise many types; reported as one line
-        raise UserError(f"cannot load {repo} ({config}): {type(e).__name__}: {_one_line(e, 150)}; {hint}") from e
+        raise UserError(f"cannot load {repo} ({config}): {type(e).__name__}: {shardio.one_line(e, 150)}; {hint}") from e
     return _fineweb_texts(iter(ds), repo, config, hint)
 
 
@@ -188,7 +183,7 @@ def _fineweb_texts(rows, repo: str, config: str, hint: str) -> Iterator[str]:
         except StopIteration:
             return
         except Exception as e:  # noqa: BLE001
-            raise UserError(f"reading {repo} ({config}) failed: {type(e).__name__}: {_one_line(e, 150)}; {hint}") from e
+            raise UserError(f"reading {repo} ({config}) failed: {type(e).__name__}: {shardio.one_line(e, 150)}; {hint}") from e
         text = row["text"]
         if text:
             yield text
@@ -231,7 +226,7 @@ def load_encoding():
             _encoding = tiktoken.get_encoding("gpt2")
         except Exception as e:  # noqa: BLE001 - network errors of tiktoken's one-time download
             raise UserError(
-                f"cannot load tiktoken's gpt2 encoding ({type(e).__name__}: {_one_line(e, 120)}); tiktoken downloads it "
+                f"cannot load tiktoken's gpt2 encoding ({type(e).__name__}: {shardio.one_line(e, 120)}); tiktoken downloads it "
                 "once and caches it: check the network, or point TIKTOKEN_CACHE_DIR at a folder that holds it"
             ) from e
     return _encoding
@@ -442,14 +437,7 @@ def run(argv: list[str] | None = None) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    try:
-        return run(argv)
-    except UserError as e:
-        print(f"error: {_one_line(e, 1000)}", file=sys.stderr, flush=True)
-        return 1
-    except KeyboardInterrupt:
-        print("error: interrupted; the shards of this run were removed", file=sys.stderr)
-        return 130
+    return shardio.run_cli(lambda: run(argv), UserError, "the shards of this run were removed")
 
 
 if __name__ == "__main__":

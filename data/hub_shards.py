@@ -71,11 +71,6 @@ class Failure(Exception):
         self.retryable = retryable
 
 
-def _one_line(text: object, limit: int = 200) -> str:
-    s = " ".join(str(text).split())
-    return s if len(s) <= limit else s[: limit - 1] + "…"
-
-
 def _content_matches(path: Path, etag: str | None) -> bool | None:
     """Whether the file's bytes match the Hub's ETag; None if the ETag is not a content hash."""
     etag = (etag or "").strip('"').lower()
@@ -110,7 +105,7 @@ class Downloader:
             return Failure(f"cannot download {where}: HF_HUB_OFFLINE is set; unset it, {manual}")
         if isinstance(exc, (httpx2.ConnectError, httpx2.TimeoutException, httpx2.NetworkError, httpx2.RemoteProtocolError)):
             return Failure(
-                f"cannot reach the Hub to download {where} ({type(exc).__name__}: {_one_line(exc, 80)}); "
+                f"cannot reach the Hub to download {where} ({type(exc).__name__}: {shardio.one_line(exc, 80)}); "
                 f"check the network and proxy settings and HF_ENDPOINT, {manual}",
                 retryable=True,
             )
@@ -125,7 +120,7 @@ class Downloader:
             return Failure(f"{name} not found in dataset {self.ds.repo_id} at revision {self.revision!r} on {self.endpoint}")
         if isinstance(exc, errors.FileMetadataError):
             return Failure(
-                f"{self.endpoint} did not answer like the Hugging Face Hub for {name} ({_one_line(exc, 80)}); "
+                f"{self.endpoint} did not answer like the Hugging Face Hub for {name} ({shardio.one_line(exc, 80)}); "
                 f"check HF_ENDPOINT, {manual}"
             )
         if isinstance(exc, errors.HfHubHTTPError):
@@ -147,8 +142,8 @@ class Downloader:
                     f"check the network and run the same command again",
                     retryable=True,
                 )
-            return Failure(f"download of {where} failed: {_one_line(exc, 120)}")
-        return Failure(f"download of {where} failed: {type(exc).__name__}: {_one_line(exc, 120)}")
+            return Failure(f"download of {where} failed: {shardio.one_line(exc, 120)}")
+        return Failure(f"download of {where} failed: {type(exc).__name__}: {shardio.one_line(exc, 120)}")
 
     # --- one shard ---------------------------------------------------------------------------
     def _fetch_once(self, name: str) -> str:
@@ -316,7 +311,7 @@ def run(key: str, argv: list[str] | None = None) -> int:
                     bar.update(1)
                     tqdm.write(fut.result(), file=sys.stdout)
                     continue
-                failures[name] = exc if isinstance(exc, Failure) else Failure(f"{name}: {type(exc).__name__}: {_one_line(exc)}")
+                failures[name] = exc if isinstance(exc, Failure) else Failure(f"{name}: {type(exc).__name__}: {shardio.one_line(exc)}")
                 dl.stop.set()
                 for other in pending:
                     other.cancel()
@@ -334,11 +329,5 @@ def run(key: str, argv: list[str] | None = None) -> int:
 
 def main(key: str, argv: list[str] | None = None) -> int:
     """Entry point of the cached_*.py programs: returns the exit status, errors are one line on stderr."""
-    try:
-        return run(key, argv)
-    except Failure as f:
-        print(f"error: {_one_line(f, 1000)}", file=sys.stderr, flush=True)
-        return 1
-    except KeyboardInterrupt:
-        print("error: interrupted; shards already complete are kept, run the same command again to resume", file=sys.stderr)
-        return 130
+    return shardio.run_cli(lambda: run(key, argv), Failure,
+                           "shards already complete are kept, run the same command again to resume")

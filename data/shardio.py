@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import sys
 import uuid
 from pathlib import Path
 
@@ -31,6 +32,24 @@ MAX_TOKENS = 2**31 - 1  # the count must fit the int32 header field
 
 class ShardError(ValueError):
     """A file that is not a complete, well-formed shard."""
+
+
+def one_line(text: object, limit: int = 300) -> str:
+    """Whitespace collapsed and cut to `limit` characters: how every data/ program prints an error."""
+    s = " ".join(str(text).split())
+    return s if len(s) <= limit else s[: limit - 1] + "…"
+
+
+def run_cli(run, expected: type[Exception], interrupted: str) -> int:
+    """Runs a data/ program's `run()`: its expected errors and Ctrl-C become one `error:` line on stderr."""
+    try:
+        return run()
+    except expected as e:
+        print(f"error: {one_line(e, 1000)}", file=sys.stderr, flush=True)
+        return 1
+    except KeyboardInterrupt:
+        print(f"error: interrupted; {interrupted}", file=sys.stderr, flush=True)
+        return 130
 
 
 def make_header(count: int) -> bytes:

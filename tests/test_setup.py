@@ -12,7 +12,7 @@ def fake_bin(tmp_path, gpus, with_torchrun):
     bin_dir.mkdir()
     if gpus:
         smi = bin_dir / "nvidia-smi"
-        smi.write_text("#!/bin/sh\n" + "".join(f"echo 'NVIDIA H100 80GB HBM3'\n" for _ in range(gpus)))
+        smi.write_text("#!/bin/sh\n" + "echo 'NVIDIA H100 80GB HBM3'\n" * gpus)
         smi.chmod(0o755)
     if with_torchrun:
         launcher = bin_dir / "torchrun"
