@@ -31,6 +31,7 @@ import math
 import os
 import subprocess
 import sys
+import textwrap
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -248,8 +249,10 @@ def run_one(spec: RunSpec, log_dir: Path, threads: int) -> dict | Failure:
     return json.loads(path.read_text())
 
 
-def run_all(specs: list[RunSpec], log_dir: Path, jobs: int, resume: bool) -> tuple[dict[str, list[dict]],
-                                                                                  list[Failure]]:
+def run_all(specs: list[RunSpec], log_dir: Path, jobs: int,
+            resume: bool) -> tuple[dict[str, list[dict]], list[Failure], int]:
+    """Trains every spec (reusing matching finished summaries with resume); returns the summaries by
+    variant, the failures and how many runs were reused."""
     log_dir.mkdir(parents=True, exist_ok=True)
     threads = max(1, (os.cpu_count() or 1) // jobs)
     results: dict[str, list[dict]] = {}
@@ -281,7 +284,7 @@ def run_all(specs: list[RunSpec], log_dir: Path, jobs: int, resume: bool) -> tup
                 results.setdefault(spec.variant, []).append(out)
                 print(f"[{done}/{len(todo)} {elapsed:.0f}s] {spec.run_id}: final val loss "
                       f"{out['final_val_loss']:.4f} in {seconds:.0f}s", flush=True)
-    return results, failures
+    return results, failures, len(specs) - len(todo)
 
 
 def plot(stats: dict[str, VariantStats], target: float | None, label: str, path: Path) -> str:
@@ -302,7 +305,7 @@ def plot(stats: dict[str, VariantStats], target: float | None, label: str, path:
         ax.axhline(target, color="gray", linestyle=":", linewidth=1, label=f"baseline final {target:.3f}")
     ax.set_xlabel("training tokens")
     ax.set_ylabel("validation loss (mean over seeds)")
-    ax.set_title(label, fontsize=9)
+    ax.set_title(textwrap.fill(label, 100), fontsize=8)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -353,7 +356,7 @@ def main(argv: list[str] | None = None) -> int:
         label += f", baseline matrix_adam_lr {a.baseline_lr}"
     specs = run_specs(a.variants, a.seeds, a.num_iterations, a.val_every, a.val_tokens, log_dir, overrides)
     started = time.time()
-    results, failures = run_all(specs, log_dir, a.jobs, a.resume_existing)
+    results, failures, reused = run_all(specs, log_dir, a.jobs, a.resume_existing)
     stats = {name: variant_stats(name, results[name], [f for f in failures if f.variant == name])
              for name in a.variants if results.get(name)}
     for name in a.variants:
@@ -363,7 +366,8 @@ def main(argv: list[str] | None = None) -> int:
         print("error: no run finished; nothing to report", file=sys.stderr)
         return 1
     table = build_table(stats, failures, label)
-    text = table.markdown + f"\nWall time of this invocation: {time.time() - started:.0f} s.\n"
+    text = table.markdown + (f"\nWall time of this invocation: {time.time() - started:.0f} s "
+                             f"({len(specs) - reused} run(s) trained, {reused} reused from earlier invocations).\n")
     (out / "ablation.md").write_text(text)
     print(text)
     print(plot(stats, table.target, label, out / "ablation.png"))
