@@ -106,7 +106,7 @@ class Hyperparameters:
     dtype: str = "bf16"  # activations and embeddings: bf16 | fp32
     fp8_head: bool = True  # used only where the GPU supports FP8 (compute capability >= 8.9)
     attention: str = "auto"  # flex | sdpa; auto: flex on CUDA, sdpa on CPU
-    compile: str = "auto"  # on | off; auto: on with CUDA, off on CPU
+    compile: str = "auto"  # model | loss (softcap + cross-entropy only) | off; auto: model on CUDA, loss on CPU
     warmup_steps: int = 10  # untimed steps to compile kernels; state is restored afterwards
     collective_timeout_s: int = 600  # a dead rank stops the others after this long
     # logging and accounting
@@ -138,7 +138,7 @@ PRESETS = {
         model_dim=256,
         n_head=4,
         head_dim=64,
-        warmup_steps=0,
+        warmup_steps=1,
         log_train_loss=True,
     ),
 }
@@ -183,7 +183,7 @@ def parse_args(argv: list[str], cuda_available: bool) -> Hyperparameters:
         raise UsageError(f"unknown preset {preset!r}; valid presets: {', '.join(PRESETS)}")
     args = Hyperparameters(**{**PRESETS[preset], **overrides, "preset": preset})
     for name, allowed in (("dtype", ("bf16", "fp32")), ("attention", ("auto", "flex", "sdpa")),
-                          ("compile", ("auto", "on", "off")), ("mlp_act", ("relu2", "gelu"))):
+                          ("compile", ("auto", "model", "loss", "off")), ("mlp_act", ("relu2", "gelu"))):
         if getattr(args, name) not in allowed:
             raise UsageError(f"bad value {getattr(args, name)!r} for --{name}; valid: {', '.join(allowed)}")
     for name in ("seq_len", "val_seq_len"):
@@ -212,7 +212,7 @@ class Runtime:
     dtype: torch.dtype
     attention: str  # flex | sdpa
     fp8_head: bool
-    compile: bool
+    compile: str  # model | loss | off
 
     @property
     def is_master(self) -> bool:
@@ -249,11 +249,12 @@ def setup_runtime(args: Hyperparameters) -> Runtime:
                                 timeout=timedelta(seconds=args.collective_timeout_s),
                                 device_id=device if device.type == "cuda" else None)
     attention = args.attention if args.attention != "auto" else ("flex" if device.type == "cuda" else "sdpa")
-    compile_on = args.compile == "on" or (args.compile == "auto" and device.type == "cuda")
+    # Inductor's CPU codegen is not reliable for the whole model; the loss alone is the big CPU win.
+    compile_mode = args.compile if args.compile != "auto" else ("model" if device.type == "cuda" else "loss")
     return Runtime(rank=rank, local_rank=local_rank, world_size=world_size, device=device,
                    dtype=torch.bfloat16 if args.dtype == "bf16" else torch.float32,
                    attention=attention, fp8_head=args.fp8_head and fp8_supported(device),
-                   compile=compile_on)
+                   compile=compile_mode)
 
 
 def gradient_accumulation(args: Hyperparameters, world_size: int) -> int:
@@ -652,8 +653,11 @@ def next_multiple(n: float, k: int) -> int:
 
 
 class GPT(nn.Module):
-    def __init__(self, args: Hyperparameters, attention: str = "sdpa", fp8_head: bool = False):
+    def __init__(self, args: Hyperparameters, attention: str = "sdpa", fp8_head: bool = False,
+                 compile_loss: bool = False):
         super().__init__()
+        self.loss_fn = torch.compile(softcapped_cross_entropy, dynamic=False) if compile_loss \
+            else softcapped_cross_entropy
         self.roles = LayerRoles.for_depth(args.n_layer, args.value_embeds)
         self.backend = ATTENTION_BACKENDS[attention]
         self.vocab_size, self.softcap, self.unet = args.vocab_size, args.logit_softcap, args.unet_skips
@@ -686,10 +690,15 @@ class GPT(nn.Module):
             x = block(x, x0, None if ve_i is None else ve[ve_i], masks[self.roles.long_window[i]], self.backend)
             if self.unet and i < self.roles.n_encoder:
                 skips.append(x)
-        logits = self.lm_head(rms_norm(x)).float()
-        if self.softcap > 0:
-            logits = self.softcap * torch.sigmoid(logits / (self.softcap / 4))  # 30 * sigmoid(z / 7.5)
-        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+        return self.loss_fn(self.lm_head(rms_norm(x)), targets, self.softcap)
+
+
+def softcapped_cross_entropy(logits: Tensor, targets: Tensor, softcap: float) -> Tensor:
+    """Mean cross-entropy of fp32 logits squashed into (0, softcap): softcap * sigmoid(z / (softcap / 4))."""
+    logits = logits.float()
+    if softcap > 0:
+        logits = softcap * torch.sigmoid(logits / (softcap / 4))  # 30 * sigmoid(z / 7.5)
+    return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
 
 
 def check_model_inputs(tokens: Tensor, targets: Tensor, window_blocks: Tensor, vocab_size: int) -> None:
@@ -707,7 +716,7 @@ def check_model_inputs(tokens: Tensor, targets: Tensor, window_blocks: Tensor, v
 
 def build_model(args: Hyperparameters, rt: Runtime) -> GPT:
     """The model on its device: embeddings in the activation dtype, matrices and scalars in fp32."""
-    model = GPT(args, attention=rt.attention, fp8_head=rt.fp8_head).to(rt.device)
+    model = GPT(args, attention=rt.attention, fp8_head=rt.fp8_head, compile_loss=rt.compile == "loss").to(rt.device)
     for module in model.modules():
         if isinstance(module, nn.Embedding):
             module.to(rt.dtype)
@@ -1166,19 +1175,26 @@ def source_sha256() -> str:
     return hashlib.sha256(Path(__file__).read_bytes()).hexdigest()
 
 
-def training_state(model: GPT, opt: Optimizers, stream: TokenStream, step: int) -> dict:
-    """Everything a rank needs to continue exactly: weights, its optimizer shards, data position, RNG."""
+def training_state(model: GPT, opt: Optimizers, stream: TokenStream, step: int, with_model: bool = True) -> dict:
+    """Everything a rank needs to continue exactly: weights (identical on all ranks, so a checkpoint
+    keeps rank 0's only), its optimizer shards, the data position and the RNG."""
     rng = {"cpu": torch.get_rng_state()}
     if torch.cuda.is_available():
         rng["cuda"] = torch.cuda.get_rng_state()
-    return {"step": step, "model": model.state_dict(), "optimizers": opt.state_dict(), "loader": stream.state(),
-            "rng": rng}
+    state = {"step": step, "optimizers": opt.state_dict(), "loader": stream.state(), "rng": rng}
+    if with_model:
+        state["model"] = model.state_dict()
+    return state
 
 
-def restore_training_state(state: dict, model: GPT, opt: Optimizers, stream: TokenStream) -> int:
+def restore_training_state(state: dict, model: GPT, opt: Optimizers, stream: TokenStream, rt: Runtime) -> int:
+    """The inverse of training_state; ranks whose state has no weights receive rank 0's."""
     with torch.no_grad():
         for name, tensor in model.state_dict().items():
-            tensor.copy_(state["model"][name])
+            if "model" in state:
+                tensor.copy_(state["model"][name])
+            if rt.world_size > 1:
+                dist.broadcast(tensor, src=0)
     opt.load_state_dict(state["optimizers"])
     stream.load_state(state["loader"])
     torch.set_rng_state(state["rng"]["cpu"])
@@ -1400,7 +1416,7 @@ def run_training(args: Hyperparameters, rt: Runtime, log: RunLog, accum: int, ru
 
     torch.manual_seed(args.seed)
     model = build_model(args, rt)
-    compiled = torch.compile(model, dynamic=False) if rt.compile else model
+    compiled = torch.compile(model, dynamic=False) if rt.compile == "model" else model
     opt = build_optimizers(model, args, rt.rank, rt.world_size, accum)
     stream = TokenStream(train_files, args.vocab_size, cycle=args.train_cycle)
     loader = DistributedTokenLoader(stream, args.seq_len, rt.rank, rt.world_size, accum, args.bos_align, rt.device)
@@ -1425,11 +1441,11 @@ def run_training(args: Hyperparameters, rt: Runtime, log: RunLog, accum: int, ru
         for step in range(args.warmup_steps):
             train_step(step)
         evaluate(compiled, val_seqs[:1], window_of(0), rt)
-        restore_training_state(snapshot, model, opt, stream)
+        restore_training_state(snapshot, model, opt, stream, rt)
         del snapshot
     start_step = 0
     if checkpoint is not None:
-        start_step = restore_training_state(load_checkpoint(checkpoint, args, rt, log), model, opt, stream)
+        start_step = restore_training_state(load_checkpoint(checkpoint, args, rt, log), model, opt, stream, rt)
         log.write(f"resumed from {checkpoint} at step {start_step}")
 
     energy = EnergyMeter.open(rt)
@@ -1472,7 +1488,7 @@ def run_training(args: Hyperparameters, rt: Runtime, log: RunLog, accum: int, ru
             training_ms += 1000 * (time.perf_counter() - t0)
             energy.stop()
             if checkpointing:
-                save_checkpoint(training_state(model, opt, stream, step), args, rt, run_id, log)
+                save_checkpoint(training_state(model, opt, stream, step, rt.is_master), args, rt, run_id, log)
             if signum:
                 log.write(f"stopped by signal {signal.Signals(signum).name} before step {step + 1}"
                           + ("; resume with --resume=latest" if checkpointing else " (no checkpoints enabled)"))
@@ -1504,7 +1520,7 @@ def run_training(args: Hyperparameters, rt: Runtime, log: RunLog, accum: int, ru
     log.write(energy_line(joules, ranks, energy.reason, training_ms / 1000, tokens))
     log.write(f"final: val_loss:{val_loss:.4f} steps:{N} tokens:{tokens} train_time:{training_ms:.0f}ms")
     if args.checkpoint_final:
-        save_checkpoint(training_state(model, opt, stream, N), args, rt, run_id, log)
+        save_checkpoint(training_state(model, opt, stream, N, rt.is_master), args, rt, run_id, log)
     if rt.is_master:
         kwh = joules / 3.6e6 if joules is not None else None
         summary = {"run_id": run_id, "git_commit": git_commit(), "preset": args.preset,

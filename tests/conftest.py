@@ -13,7 +13,7 @@ sys.path.insert(0, str(REPO))
 # A model small enough that a step takes well under a second on 2 cores, on the bundled sample.
 TINY = ["--preset=cpu", "--n_layer=2", "--model_dim=64", "--n_head=2", "--head_dim=32", "--seq_len=256",
         "--batch_tokens=512", "--val_seq_len=256", "--val_tokens=512", "--num_iterations=4", "--val_every=2",
-        "--warmup_steps=0", "--log_train_loss=true"]
+        "--warmup_steps=0", "--log_train_loss=true", "--compile=off"]
 
 
 def run_trainer(args, log_dir, nproc=None, driver=None, timeout=300, env=None):

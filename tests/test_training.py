@@ -139,3 +139,17 @@ def test_impossible_world_size_is_refused_with_the_sizes_that_work(tmp_path, tin
     assert result.returncode != 0
     assert "world size 2 cannot split --batch_tokens=768" in result.stderr
     assert "world sizes that work: [1, 3]" in result.stderr
+
+
+@pytest.mark.parametrize("mode", ["loss", "model"])
+def test_compiled_runs_match_eager_on_cpu(tmp_path, tiny, mode):
+    """--compile=loss (the CPU default) and --compile=model give the eager losses up to kernel rounding."""
+    runs = {}
+    for compile_mode in ("off", mode):
+        result = run_trainer(tiny + [f"--compile={compile_mode}", f"--run_id={compile_mode}", "--num_iterations=2",
+                                     "--val_every=0"], tmp_path)
+        assert result.returncode == 0, result.stderr[-2000:]
+        assert f"compile {compile_mode}" in result.stdout
+        runs[compile_mode] = train_losses((tmp_path / f"{compile_mode}.txt").read_text())
+    assert sorted(runs[mode]) == [1, 2]
+    assert all(abs(runs[mode][s] - runs["off"][s]) < 2e-3 for s in runs["off"])
