@@ -30,7 +30,7 @@ import subprocess
 import sys
 import time
 import uuid
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from datetime import timedelta
 from pathlib import Path
 

@@ -4,9 +4,7 @@
     python bench/gpu_check.py --quick    # skip the timed speedrun-preset run
 
 What it does, in order:
-  (a) the GPU tests under tests/: `pytest -m gpu` when a `gpu` marker is registered, otherwise the
-      tests whose names say cuda/gpu (`-k "cuda or gpu"`; they skip themselves without CUDA), falling
-      back to the whole of tests/test_model.py and tests/test_optim.py when that selects nothing;
+  (a) the GPU tests under tests/ (`pytest tests -m gpu`; pytest.ini registers the marker);
   (b) the FP8 head against a reference: train_gpt.fp8_matmul vs a bf16 matmul, forward and both
       gradients, as relative errors to an fp32 matmul (only with compute capability >= 8.9), and
       compiled FlexAttention (the model's FlexAttention backend with sliding_window_block_mask)
@@ -51,16 +49,6 @@ def say(text: str) -> None:
 # -----------------------------------------------------------------------------
 # (a) GPU tests
 
-def gpu_marker_registered() -> bool:
-    """True when a pytest config in the repo registers a `gpu` marker."""
-    for name in ("pytest.ini", "pyproject.toml", "setup.cfg", "tox.ini", "tests/conftest.py", "conftest.py"):
-        path = REPO / name
-        if path.is_file() and re.search(r"""["']?gpu\s*:""", path.read_text(errors="replace")) and \
-                "markers" in path.read_text(errors="replace"):
-            return True
-    return False
-
-
 def pytest_counts(output: str) -> str:
     """The final 'N passed, M skipped ...' summary of a pytest run."""
     lines = [line.strip("= ") for line in output.splitlines() if re.search(r"\d+ (passed|failed|skipped|error)", line)]
@@ -79,29 +67,21 @@ def run_pytest(selection: list[str], timeout: float) -> tuple[int | None, str]:
 
 
 def check_tests(timeout: float) -> list[Row]:
-    if gpu_marker_registered():
-        attempts = [("-m gpu", ["tests", "-m", "gpu"])]
-    else:
-        files = [f for f in ("tests/test_model.py", "tests/test_optim.py") if (REPO / f).is_file()]
-        attempts = [('-k "cuda or gpu"', ["tests", "-k", "cuda or gpu"]),
-                    ("whole " + " ".join(files), files)] if files else [('-k "cuda or gpu"', ["tests", "-k", "cuda or gpu"])]
+    """The tests marked `gpu` (pytest.ini registers the marker); they skip themselves without CUDA."""
     started = time.time()
-    for how, selection in attempts:
-        rc, out = run_pytest(selection, max(10.0, timeout - (time.time() - started)))
-        for line in out.splitlines():
-            if line.startswith(("PASSED", "FAILED", "SKIPPED", "ERROR", "XFAIL", "XPASS")):
-                say("  " + line)
-        if rc == 5:  # nothing selected: try the next selection
-            say(f"  pytest {how}: no tests selected")
-            continue
-        if rc is None:
-            return [("pytest (GPU tests)", "timeout", f"{how}: stopped after {timeout:.0f}s (raise --tests-timeout-s); "
-                     f"so far: {pytest_counts(out)}")]
-        if rc != 0:
-            tail = " | ".join(out.strip().splitlines()[-3:])
-            return [("pytest (GPU tests)", "FAIL", f"{how}: exit {rc}; {pytest_counts(out)}; {tail[:300]}")]
-        return [("pytest (GPU tests)", "ok", f"{how}: {pytest_counts(out)} in {time.time() - started:.0f}s")]
-    return [("pytest (GPU tests)", "skipped: no GPU tests found", "no gpu marker and no test names with cuda/gpu")]
+    rc, out = run_pytest(["tests", "-m", "gpu"], timeout)
+    for line in out.splitlines():
+        if line.startswith(("PASSED", "FAILED", "SKIPPED", "ERROR", "XFAIL", "XPASS")):
+            say("  " + line)
+    if rc == 5:
+        return [("pytest -m gpu", "skipped: no GPU tests found", "no test carries the gpu marker")]
+    if rc is None:
+        return [("pytest -m gpu", "timeout", f"stopped after {timeout:.0f}s (raise --tests-timeout-s); "
+                 f"so far: {pytest_counts(out)}")]
+    if rc != 0:
+        tail = " | ".join(out.strip().splitlines()[-3:])
+        return [("pytest -m gpu", "FAIL", f"exit {rc}; {pytest_counts(out)}; {tail[:300]}")]
+    return [("pytest -m gpu", "ok", f"{pytest_counts(out)} in {time.time() - started:.0f}s")]
 
 
 # -----------------------------------------------------------------------------

@@ -17,8 +17,11 @@ EOT = T.EOT_TOKEN
 BLOCK = T.BLOCK_SIZE
 
 
-def needs_cuda(what):
-    return pytest.mark.skipif(not torch.cuda.is_available(), reason=f"needs a CUDA GPU: {what}")
+def needs_cuda(what, available=torch.cuda.is_available()):
+    """Marks a GPU-only test: selected by `pytest -m gpu`, skipped with a visible reason without one."""
+    def mark(test):
+        return pytest.mark.gpu(pytest.mark.skipif(not available, reason=f"needs a CUDA GPU: {what}")(test))
+    return mark
 
 
 def small_args(*extra):
@@ -457,8 +460,8 @@ def test_flex_attention_compiled_matches_sdpa_on_cuda():
             assert rel_err(a, b) < 2e-2
 
 
-@pytest.mark.skipif(not (torch.cuda.is_available() and T.fp8_supported(torch.device("cuda"))),
-                    reason="needs a CUDA GPU with compute capability >= 8.9: torch._scaled_mm FP8 kernels")
+@needs_cuda("compute capability >= 8.9 for torch._scaled_mm FP8 kernels",
+            torch.cuda.is_available() and T.fp8_supported(torch.device("cuda")))
 def test_fp8_head_matches_bf16_on_cuda():
     x, w, grad = (t.cuda() for t in fp8_case(n=1024, d=768, vocab=50304))
     x_ = x.clone().requires_grad_()
