@@ -188,7 +188,7 @@ def test_adam_two_steps_match_reference():
 def test_adam_without_muon_and_with_weight_decay():
     """--muon=false: matrices in Adam at matrix_adam_lr; weight decay on head and matrices, not embeddings."""
     def lr(n, p):
-        return recipe_lr(n, p) or 0.004
+        return recipe_lr(n, p) or 0.001  # matrix_adam_lr default
 
     def wd(n):
         return 0.1 if n == "lm_head.weight" or (n.startswith("blocks.") and "lambdas" not in n) else 0.0
