@@ -98,7 +98,8 @@ SUM_DRIVER = textwrap.dedent('''
     rt = T.Runtime(rank, rank, 2, torch.device("cpu"), torch.float32, "sdpa", False, False)
     meter = T.EnergyMeter(object() if rank == 0 else None, "" if rank == 0 else "no counter")  # rank 1 measures nothing
     meter.joules = 123.5 if rank == 0 else 0.0
-    print("TOTAL", meter.total(rt))
+    with open(sys.argv[1] + f"/total{{rank}}.txt", "w") as out:  # one file per rank: stdout lines interleave
+        out.write(repr(meter.total(rt)))
     dist.destroy_process_group()
 ''')
 
@@ -107,9 +108,9 @@ def test_energy_is_summed_over_ranks(tmp_path):
     driver = tmp_path / "sum.py"
     driver.write_text(SUM_DRIVER.format(repo=str(REPO)))
     result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                             str(driver)], capture_output=True, text=True, timeout=120)
+                             str(driver), str(tmp_path)], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
-    assert result.stdout.count("TOTAL (123.5, 1)") == 2
+    assert [(tmp_path / f"total{r}.txt").read_text() for r in range(2)] == ["(123.5, 1)"] * 2
 
 
 def test_profiler_writes_a_chrome_trace_per_rank(tmp_path):
