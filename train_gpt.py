@@ -21,6 +21,7 @@ import dataclasses
 import glob
 import hashlib
 import json
+import logging
 import math
 import os
 import platform
@@ -55,58 +56,61 @@ class UsageError(Exception):
 
 @dataclass
 class Hyperparameters:
+    """Every knob of a run. The defaults are the `speedrun` preset: the 2025-01-26 record of the NanoGPT
+    speedrun ("R" below: records/012625_BatchSize of modded-nanogpt), whose values tests/test_config.py pins."""
     preset: str = "auto"  # speedrun | cpu; auto picks speedrun when CUDA is present, cpu otherwise
     seed: int = 0
     # data
     train_files: str = "data/fineweb10B/fineweb_train_*.bin"
     val_files: str = "data/fineweb10B/fineweb_val_*.bin"
-    val_tokens: int = 10_485_760  # fixed validation budget, scored every val_every steps and at the end
+    val_tokens: int = 10_485_760  # R: the fixed validation budget every speedrun record is scored on
     train_cycle: bool = False  # allow more than one pass over the training shards
     bos_align: bool = False  # start every training sequence at a document start
     # batch: one flat sequence of seq_len tokens per rank per micro-step
-    batch_tokens: int = 8 * 48 * 1024  # global tokens per optimizer step, fixed for any world size
-    seq_len: int = 48 * 1024
-    val_seq_len: int = 64 * 1024
+    batch_tokens: int = 8 * 48 * 1024  # R: 8 GPUs x 48K tokens per optimizer step, fixed for any world size
+    seq_len: int = 48 * 1024  # R: cut from 64K to 48K per GPU (critical batch size, arXiv 2410.21676)
+    val_seq_len: int = 4 * 64 * 1024  # R: 256K-token val sequences cut fewer documents (~0.0015 lower val loss)
     # schedule
-    num_iterations: int = 1770
-    cooldown_frac: float = 0.4  # lr decays linearly over this last fraction of training ...
-    lr_final_frac: float = 0.1  # ... down to this fraction of the base lr
-    val_every: int = 125
-    window_final_tokens: int = 1728  # window grows linearly to this (rounded up to whole blocks)
-    sliding_window: bool = True  # False: full causal attention within documents
-    # model
+    num_iterations: int = 1770  # R
+    cooldown_frac: float = 0.4  # R: lr decays linearly over this last fraction of training ...
+    lr_final_frac: float = 0.1  # R: ... down to this fraction of the base lr
+    val_every: int = 125  # R
+    window_final_tokens: int = 1728  # R: window grows linearly to next_multiple(1728 * step / 1770, 128) tokens
+    sliding_window: bool = True  # False: full causal attention within documents (ablation)
+    # model (R: 12 x 768, 6 heads of 128; GPT-2 vocabulary, head padded to 50304)
     vocab_size: int = 50257
     n_layer: int = 12
     model_dim: int = 768
     n_head: int = 6
     head_dim: int = 128
-    attn_scale: float = 0.12
-    logit_softcap: float = 30.0  # 0 turns the softcap off
-    value_embeds: bool = True
-    unet_skips: bool = True
-    zero_init: bool = True  # zero-init output projections and the head
-    qk_norm: bool = True
-    mlp_act: str = "relu2"  # relu2 | gelu
+    attn_scale: float = 0.12  # R: fixed attention temperature instead of 1/sqrt(128)
+    logit_softcap: float = 30.0  # R: 30 * sigmoid(logits / 7.5); 0 turns the softcap off
+    value_embeds: bool = True  # R: three value-embedding tables (value residual, arXiv 2410.17897)
+    unet_skips: bool = True  # R: encoder layers feed the mirrored decoder layers with learned weights
+    zero_init: bool = True  # R: zero-init output projections and the head (initial loss ln(50304))
+    qk_norm: bool = True  # R: rms_norm of queries and keys before rotary
+    mlp_act: str = "relu2"  # R: relu(x)^2 (Primer, arXiv 2109.08668) | gelu
     # optimizers
-    muon: bool = True  # False: Adam also for the hidden matrices (ablation)
-    muon_lr: float = 0.05
-    muon_momentum: float = 0.95
-    muon_momentum_start: float = 0.85
-    muon_momentum_warmup_steps: int = 300
-    ns_steps: int = 5
-    adam_beta1: float = 0.8
-    adam_beta2: float = 0.95
-    adam_eps: float = 1e-10
-    head_lr: float = 0.008
-    embed_lr: float = 0.6
-    scalar_lr: float = 0.04
+    muon: bool = True  # R: Muon for hidden matrices; False: Adam for them too (ablation)
+    muon_lr: float = 0.05  # R
+    muon_momentum: float = 0.95  # R: Nesterov momentum, warmed up from muon_momentum_start ...
+    muon_momentum_start: float = 0.85  # R
+    muon_momentum_warmup_steps: int = 300  # R: ... over these steps
+    ns_steps: int = 5  # R: quintic Newton-Schulz iterations
+    adam_beta1: float = 0.8  # R
+    adam_beta2: float = 0.95  # R
+    adam_eps: float = 1e-10  # R
+    head_lr: float = 0.008  # R
+    embed_lr: float = 0.6  # R: token and value embeddings
+    scalar_lr: float = 0.04  # R: lambdas and skip weights
     matrix_adam_lr: float = 0.001  # hidden matrices' lr when muon is off (best of a sweep on the cpu preset)
-    weight_decay: float = 0.0  # decoupled, on matrices updated by Adam
+    weight_decay: float = 0.0  # R: none; decoupled, on matrices updated by Adam
     # systems
     dtype: str = "bf16"  # activations and embeddings: bf16 | fp32
-    fp8_head: bool = True  # used only where the GPU supports FP8 (compute capability >= 8.9)
+    fp8_head: bool = True  # R: FP8 LM head; used only where the GPU supports FP8 (compute capability >= 8.9)
     attention: str = "auto"  # flex | sdpa; auto: flex on CUDA, sdpa on CPU
     compile: str = "auto"  # model | loss (softcap + cross-entropy only) | off; auto: model on CUDA, loss on CPU
+    coordinate_descent_tuning: bool = True  # R's inductor setting with --compile=model: faster kernels, longer compile
     warmup_steps: int = 10  # untimed steps to compile kernels; state is restored afterwards
     collective_timeout_s: int = 600  # a dead rank stops the others after this long
     # logging and accounting
@@ -251,10 +255,18 @@ def setup_runtime(args: Hyperparameters) -> Runtime:
     attention = args.attention if args.attention != "auto" else ("flex" if device.type == "cuda" else "sdpa")
     # Inductor's CPU codegen is not reliable for the whole model; the loss alone is the big CPU win.
     compile_mode = args.compile if args.compile != "auto" else ("model" if device.type == "cuda" else "loss")
+    if compile_mode == "model":
+        configure_inductor(args)
     return Runtime(rank=rank, local_rank=local_rank, world_size=world_size, device=device,
                    dtype=torch.bfloat16 if args.dtype == "bf16" else torch.float32,
                    attention=attention, fp8_head=args.fp8_head and fp8_supported(device),
                    compile=compile_mode)
+
+
+def configure_inductor(args: Hyperparameters) -> None:
+    """The record's compiler settings for a compiled model."""
+    import torch._inductor.config as inductor_config
+    inductor_config.coordinate_descent_tuning = args.coordinate_descent_tuning  # R: tunes each kernel's tiling
 
 
 def gradient_accumulation(args: Hyperparameters, world_size: int) -> int:
@@ -513,15 +525,41 @@ ATTENTION_BACKENDS = {"sdpa": SDPAAttention, "flex": FlexAttention}
 
 # FP8 head: e4m3 operands forward, e5m2 gradients backward, scales fixed by the recipe.
 
-@torch.library.custom_op("speedrun::fp8_matmul", mutates_args=())
-def fp8_matmul(x: Tensor, w: Tensor, x_scale: float, w_scale: float) -> tuple[Tensor, Tensor, Tensor]:
-    """x @ w.T in FP8; also returns the FP8 operands for the backward pass."""
+def fp8_forward_math(x: Tensor, w: Tensor, x_scale: float, w_scale: float) -> tuple[Tensor, Tensor, Tensor]:
     x_f8 = (x * x_scale).to(torch.float8_e4m3fn)
     w_f8 = (w * w_scale).to(torch.float8_e4m3fn)
     out = torch._scaled_mm(x_f8, w_f8.T, out_dtype=torch.bfloat16, use_fast_accum=True,
                            scale_a=x.new_tensor(1 / x_scale, dtype=torch.float32),
                            scale_b=x.new_tensor(1 / w_scale, dtype=torch.float32))
     return out, x_f8, w_f8
+
+
+def fp8_backward_math(grad: Tensor, x_f8: Tensor, w_f8: Tensor, x_scale: float, w_scale: float,
+                      grad_scale: float) -> tuple[Tensor, Tensor]:
+    grad_f8 = (grad * grad_scale).to(torch.float8_e5m2)
+    inv = lambda s: grad.new_tensor(1 / s, dtype=torch.float32)
+    grad_x = torch._scaled_mm(grad_f8, w_f8.T.contiguous().T, out_dtype=torch.bfloat16, use_fast_accum=False,
+                              scale_a=inv(grad_scale), scale_b=inv(w_scale))
+    grad_w = torch._scaled_mm(grad_f8.T.contiguous(), x_f8.T.contiguous().T, out_dtype=torch.float32,
+                              use_fast_accum=False, scale_a=inv(grad_scale), scale_b=inv(x_scale))
+    return grad_x, grad_w
+
+
+# A custom op is opaque to the model's torch.compile, so its scaling, casts and transposes would run as
+# separate eager kernels (about 10 GB of extra memory traffic per step on a 49152x50304 gradient); the
+# record compiles the op's insides. compile_fp8_kernels() switches to that, once, at start-up.
+FP8_KERNELS = {"forward": fp8_forward_math, "backward": fp8_backward_math}
+
+
+def compile_fp8_kernels(backend: str = "inductor") -> None:
+    FP8_KERNELS["forward"] = torch.compile(fp8_forward_math, dynamic=False, fullgraph=True, backend=backend)
+    FP8_KERNELS["backward"] = torch.compile(fp8_backward_math, dynamic=False, fullgraph=True, backend=backend)
+
+
+@torch.library.custom_op("speedrun::fp8_matmul", mutates_args=())
+def fp8_matmul(x: Tensor, w: Tensor, x_scale: float, w_scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    """x @ w.T in FP8; also returns the FP8 operands for the backward pass."""
+    return FP8_KERNELS["forward"](x, w, x_scale, w_scale)
 
 
 @fp8_matmul.register_fake
@@ -534,13 +572,7 @@ def _(x: Tensor, w: Tensor, x_scale: float, w_scale: float):
 def fp8_matmul_backward(grad: Tensor, x_f8: Tensor, w_f8: Tensor, x_scale: float, w_scale: float,
                         grad_scale: float) -> tuple[Tensor, Tensor]:
     """grad_x = grad @ w and grad_w = grad.T @ x from two scaled matmuls; grad_w accumulates in fp32."""
-    grad_f8 = (grad * grad_scale).to(torch.float8_e5m2)
-    inv = lambda s: grad.new_tensor(1 / s, dtype=torch.float32)
-    grad_x = torch._scaled_mm(grad_f8, w_f8.T.contiguous().T, out_dtype=torch.bfloat16, use_fast_accum=False,
-                              scale_a=inv(grad_scale), scale_b=inv(w_scale))
-    grad_w = torch._scaled_mm(grad_f8.T.contiguous(), x_f8.T.contiguous().T, out_dtype=torch.float32,
-                              use_fast_accum=False, scale_a=inv(grad_scale), scale_b=inv(x_scale))
-    return grad_x, grad_w
+    return FP8_KERNELS["backward"](grad, x_f8, w_f8, x_scale, w_scale, grad_scale)
 
 
 @fp8_matmul_backward.register_fake
@@ -548,7 +580,7 @@ def _(grad: Tensor, x_f8: Tensor, w_f8: Tensor, x_scale: float, w_scale: float, 
     return (x_f8.new_empty(x_f8.shape, dtype=torch.bfloat16), w_f8.new_empty(w_f8.shape, dtype=torch.float32))
 
 
-FP8_SCALES = dict(x_scale=2.0, w_scale=2.0 ** 9, grad_scale=2.0 ** 19)
+FP8_SCALES = dict(x_scale=2.0, w_scale=2.0 ** 9, grad_scale=2.0 ** 19)  # R (w from 2**5, grad from 2**29)
 
 
 def _fp8_setup_context(ctx, inputs, output):
@@ -717,6 +749,8 @@ def check_model_inputs(tokens: Tensor, targets: Tensor, window_blocks: Tensor, v
 def build_model(args: Hyperparameters, rt: Runtime) -> GPT:
     """The model on its device: embeddings in the activation dtype, matrices and scalars in fp32."""
     model = GPT(args, attention=rt.attention, fp8_head=rt.fp8_head, compile_loss=rt.compile == "loss").to(rt.device)
+    if rt.fp8_head and rt.compile == "model":
+        compile_fp8_kernels()
     for module in model.modules():
         if isinstance(module, nn.Embedding):
             module.to(rt.dtype)
@@ -746,47 +780,69 @@ def newton_schulz(G: Tensor, steps: int = 5, eps: float = 1e-7) -> Tensor:
 
 
 class Bucket:
-    """Parameters whose summed gradient is reduce-scattered as one tensor.
+    """Parameters whose summed gradient is reduce-scattered as one tensor, with its persistent buffers.
 
     A Muon bucket holds world_size same-shape matrices (None pads the last one): rank r receives
     matrix r's whole gradient. An Adam bucket holds one parameter: rank r receives slice r of it.
+    The communication buffers live as long as the bucket, so a step allocates nothing for them.
     """
 
     def __init__(self, params: list[nn.Parameter | None], muon: bool, world_size: int):
         self.params, self.muon, self.world_size = params, muon, world_size
         self.real = [p for p in params if p is not None]
-        numel = self.real[0].numel()
+        ref = self.real[0]
+        numel = ref.numel()
         self.shard_numel = numel if muon else -(-numel // world_size)
         self.ready = 0
         self.work = None
         self.shard: Tensor | None = None
+        # Reduce-scatter input: a copy only where the gradient is not already one flat tensor.
+        needs_copy = world_size > 1 and (muon or self.shard_numel * world_size != numel)
+        self.grads_in = ref.new_zeros(self.shard_numel * world_size) if needs_copy else None
+        self.grad_out = ref.new_empty(self.shard_numel) if world_size > 1 else None
+        # All-gather buffers: Muon sends bf16 updates (as the record does), Adam the parameter's dtype.
+        gather_dtype = torch.bfloat16 if muon else ref.dtype
+        self.gather_in = ref.new_zeros(self.shard_numel, dtype=gather_dtype) if world_size > 1 else None
+        self.gather_out = ref.new_empty(self.shard_numel * world_size, dtype=gather_dtype) if world_size > 1 else None
 
     def flat_grads(self) -> Tensor:
         """The gradients to reduce, flattened; a missing gradient or padding slot counts as zero."""
-        def grad_or_zero(p: Tensor) -> Tensor:
-            return torch.zeros_like(p) if p.grad is None else p.grad
+        if self.grads_in is None:
+            g = self.real[0].grad
+            return torch.zeros(self.shard_numel * self.world_size, device=self.real[0].device,
+                               dtype=self.real[0].dtype) if g is None else g.view(-1)
         if self.muon:
-            ref = self.real[0]
-            return torch.stack([torch.zeros_like(ref) if p is None else grad_or_zero(p) for p in self.params]).flatten()
-        flat = grad_or_zero(self.real[0]).flatten()
-        padding = self.shard_numel * self.world_size - flat.numel()
-        return F.pad(flat, (0, padding)) if padding else flat
+            for j, p in enumerate(self.params):
+                if p is not None:
+                    dest = self.grads_in[j * self.shard_numel:(j + 1) * self.shard_numel]
+                    dest.zero_() if p.grad is None else dest.copy_(p.grad.view(-1))
+        else:
+            g = self.real[0].grad
+            dest = self.grads_in[:self.real[0].numel()]
+            dest.zero_() if g is None else dest.copy_(g.view(-1))
+        return self.grads_in
 
 
 class GradientSync:
-    """Launches each bucket's reduce-scatter from post-accumulate-grad hooks, overlapping backward.
+    """Reduce-scatters each bucket's gradient as early as the autograd engine allows.
 
-    Only the last micro-step of a gradient-accumulation step launches communication; the
-    optimizers then wait for exactly the bucket they update next.
+    Eager backward (CPU, --compile=loss/off): each bucket is launched from post-accumulate-grad hooks
+    the moment its last gradient is ready, so communication overlaps the rest of backward.
+    Compiled model (--compile=model): AOTAutograd runs the whole backward as one graph node, and the
+    AccumulateGrad nodes (and their hooks) run only after it returns, in one burst (bench/overlap_probe.py
+    shows it on CPU). There is no backward left to overlap, so no hooks are registered: finish() launches
+    every bucket in the order the optimizers consume them, and the update math of the first buckets
+    overlaps the transfer of the later ones. Only the last micro-step of an accumulation step communicates.
     """
 
-    def __init__(self, buckets: list[Bucket], world_size: int):
+    def __init__(self, buckets: list[Bucket], world_size: int, launch_from_hooks: bool = True):
         self.buckets, self.world_size = buckets, world_size
         self.armed = False
         self.bucket_of = {p: b for b in buckets for p in b.real}
-        self.launched: list[Bucket] = []
-        for p in self.bucket_of:
-            p.register_post_accumulate_grad_hook(self._on_grad_ready)
+        self.launched: set[int] = set()
+        if launch_from_hooks:
+            for p in self.bucket_of:
+                p.register_post_accumulate_grad_hook(self._on_grad_ready)
 
     def arm(self, last_micro_step: bool) -> None:
         self.armed = last_micro_step
@@ -804,14 +860,14 @@ class GradientSync:
         if self.world_size == 1:
             bucket.shard = flat
         else:
-            bucket.shard = flat.new_empty(bucket.shard_numel)
+            bucket.shard = bucket.grad_out
             bucket.work = REDUCE_SCATTER_FLAT(bucket.shard, flat, op=dist.ReduceOp.SUM, async_op=True)
-        self.launched.append(bucket)
+        self.launched.add(id(bucket))
 
     def finish(self) -> None:
-        """Launches buckets whose parameters got no gradient (a zero gradient, in a fixed order)."""
+        """Launches the buckets not launched yet (all of them without hooks; else those without a gradient)."""
         for bucket in self.buckets:
-            if bucket not in self.launched:
+            if id(bucket) not in self.launched:
                 self._launch(bucket)
         self.armed = False
 
@@ -832,57 +888,67 @@ ALL_GATHER_FLAT = getattr(dist, "all_gather_single", dist.all_gather_into_tensor
 REDUCE_SCATTER_FLAT = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
 
 
-def all_gather_flat(local: Tensor, world_size: int):
-    """Starts an all-gather of equal-size flat shards into one (world_size * n,) tensor."""
-    out = local.new_empty(world_size * local.numel())
-    return out, ALL_GATHER_FLAT(out, local, async_op=True)
+def all_gather_into(bucket: Bucket):
+    """Starts the all-gather of every rank's bucket.gather_in into bucket.gather_out."""
+    return ALL_GATHER_FLAT(bucket.gather_out, bucket.gather_in, async_op=True)
 
 
 class Muon:
     """MomentUm Orthogonalized by Newton-Schulz, for the hidden matrices.
 
-    Rank r owns matrix r of each bucket: it keeps that matrix's momentum, orthogonalises its
-    update, and the updated matrices are all-gathered.
+    Rank r owns matrix r of each bucket: it keeps that matrix's momentum and orthogonalises its
+    update; the bf16 updates are all-gathered and every rank applies all of them (as the record does:
+    half the bytes of gathering fp32 weights, and the same fp32 arithmetic on every rank).
     """
 
-    def __init__(self, buckets: list[Bucket], rank: int, ns_steps: int, names: dict[Tensor, str]):
+    def __init__(self, buckets: list[Bucket], rank: int, ns_steps: int, names: dict[Tensor, str],
+                 orthogonalize=None):
         self.buckets, self.rank, self.ns_steps = buckets, rank, ns_steps
-        self.momentum_buffers: dict[int, Tensor] = {}
+        self.orthogonalize = orthogonalize or newton_schulz
         self.index_of = {names[b.params[rank]]: i for i, b in enumerate(buckets) if b.params[rank] is not None}
+        self.momentum_buffers = {i: torch.zeros_like(self.owned(i)) for i in self.index_of.values()}
 
     def owned(self, i: int) -> nn.Parameter | None:
         return self.buckets[i].params[self.rank]
 
-    def step(self, sync: GradientSync, scale: float, lr: float, momentum: float) -> None:
+    def step(self, sync: GradientSync, scale: float, lr: float, momentum: float) -> list:
+        """Updates owned matrices and starts the all-gathers; returns them for finish_step."""
         gathers = []
         for i, bucket in enumerate(self.buckets):
             grad = sync.wait(bucket, scale)
             p = self.owned(i)
-            if p is None:
-                new = torch.zeros(bucket.shard_numel, device=grad.device, dtype=bucket.real[0].dtype)
-            else:
-                grad = grad.view_as(p)
-                buf = self.momentum_buffers.setdefault(i, torch.zeros_like(grad))
-                buf.lerp_(grad, 1 - momentum)
-                update = newton_schulz(grad.lerp_(buf, momentum), self.ns_steps)  # Nesterov
-                shape_scale = max(1.0, p.size(-2) / p.size(-1)) ** 0.5
-                new = (p.detach() - (lr * shape_scale) * update.to(p.dtype)).flatten()
+            if p is not None:
+                buf = self.momentum_buffers[i]
+                buf.lerp_(grad.view_as(p), 1 - momentum)
+                update = self.orthogonalize(grad.view_as(p).lerp_(buf, momentum), self.ns_steps)  # Nesterov
             if bucket.world_size == 1:
-                p.data.copy_(new.view_as(p))
-            else:
-                gathers.append((bucket, *all_gather_flat(new, bucket.world_size)))
-        for bucket, out, work in gathers:
+                self._apply(p, update, lr)
+                continue
+            if p is not None:
+                bucket.gather_in.copy_(update.flatten())
+            gathers.append((bucket, all_gather_into(bucket), lr))
+        return gathers
+
+    @staticmethod
+    def finish_step(gathers: list) -> None:
+        for bucket, work, lr in gathers:
             work.wait()
             for j, p in enumerate(bucket.params):
                 if p is not None:
-                    p.data.copy_(out[j * bucket.shard_numel:(j + 1) * bucket.shard_numel].view_as(p))
+                    Muon._apply(p, bucket.gather_out[j * bucket.shard_numel:(j + 1) * bucket.shard_numel], lr)
+
+    @staticmethod
+    def _apply(p: Tensor, update: Tensor, lr: float) -> None:
+        shape_scale = max(1.0, p.size(-2) / p.size(-1)) ** 0.5  # the record's max(1, rows/cols)**0.5
+        p.data.sub_((lr * shape_scale) * update.view_as(p).to(p.dtype))
 
     def state_dict(self) -> dict:
         """Momentum of the matrices this rank owns, keyed by parameter name."""
-        return {name: self.momentum_buffers[i] for name, i in self.index_of.items() if i in self.momentum_buffers}
+        return {name: self.momentum_buffers[i] for name, i in self.index_of.items()}
 
     def load_state_dict(self, state: dict) -> None:
-        self.momentum_buffers = {self.index_of[name]: buf.clone() for name, buf in state.items()}
+        for name, buf in state.items():
+            self.momentum_buffers[self.index_of[name]].copy_(buf)
 
 
 class ShardedAdam:
@@ -908,7 +974,8 @@ class ShardedAdam:
         lo = min(self.rank * bucket.shard_numel, flat.numel())
         return flat[lo:min(lo + bucket.shard_numel, flat.numel())]
 
-    def step(self, sync: GradientSync, scale: float, lr_mult: float) -> None:
+    def step(self, sync: GradientSync, scale: float, lr_mult: float) -> list:
+        """Updates the master slices and starts the all-gathers; returns them for finish_step."""
         for bucket, master in zip(self.buckets, self.masters):
             master.grad = sync.wait(bucket, scale)[:master.numel()]
         for group in self.adam.param_groups:
@@ -921,12 +988,16 @@ class ShardedAdam:
             if bucket.world_size == 1:
                 p.data.view(-1).copy_(master)
                 continue
-            send = torch.zeros(bucket.shard_numel, dtype=p.dtype, device=p.device)
-            send[:master.numel()] = master
-            gathers.append((p, *all_gather_flat(send, bucket.world_size)))
-        for p, out, work in gathers:
+            bucket.gather_in[:master.numel()].copy_(master)
+            gathers.append((bucket, all_gather_into(bucket)))
+        return gathers
+
+    @staticmethod
+    def finish_step(gathers: list) -> None:
+        for bucket, work in gathers:
             work.wait()
-            p.data.view(-1).copy_(out[:p.numel()])
+            p = bucket.real[0]
+            p.data.view(-1).copy_(bucket.gather_out[:p.numel()])
 
     def state_dict(self) -> dict:
         """This rank's master slices and Adam moments, keyed by parameter name."""
@@ -948,10 +1019,13 @@ class Optimizers:
     scale: float  # 1 / sequences per global batch: the sum over ranks and micro-steps becomes a mean
 
     def step(self, lr_mult: float, momentum: float, args: Hyperparameters) -> None:
+        """Muon first (its Newton-Schulz overlaps Adam's reduce-scatters), then Adam; the all-gathers
+        of both are awaited last, so they overlap the other optimizer's math."""
         self.sync.finish()
-        self.adam.step(self.sync, self.scale, lr_mult)
-        if self.muon is not None:
-            self.muon.step(self.sync, self.scale, args.muon_lr * lr_mult, momentum)
+        muon_gathers = self.muon.step(self.sync, self.scale, args.muon_lr * lr_mult, momentum) if self.muon else []
+        adam_gathers = self.adam.step(self.sync, self.scale, lr_mult)
+        Muon.finish_step(muon_gathers)
+        ShardedAdam.finish_step(adam_gathers)
         self.sync.reset()
 
     def state_dict(self) -> dict:
@@ -963,7 +1037,8 @@ class Optimizers:
             self.muon.load_state_dict(state["muon"])
 
 
-def build_optimizers(model: GPT, args: Hyperparameters, rank: int, world_size: int, accum: int) -> Optimizers:
+def build_optimizers(model: GPT, args: Hyperparameters, rank: int, world_size: int, accum: int,
+                     compiled: bool = False) -> Optimizers:
     """Muon for matrices inside the blocks; Adam for head, embeddings and scalars (and matrices without Muon)."""
     hidden = [p for p in model.blocks.parameters() if p.ndim >= 2]
     embeds = [model.embed.weight, *(e.weight for e in model.value_embeds)]
@@ -983,9 +1058,13 @@ def build_optimizers(model: GPT, args: Hyperparameters, rank: int, world_size: i
     adam_buckets = [(Bucket([p], False, world_size), lr, wd) for p, lr, wd in adam_groups]
     assert sum(p.numel() for b, _, _ in adam_buckets for p in b.real) + sum(
         p.numel() for b in muon_buckets for p in b.real) == sum(p.numel() for p in model.parameters())
-    sync = GradientSync([b for b, _, _ in adam_buckets] + muon_buckets, world_size)
+    # Consumption order (Muon, then Adam): the launch order when the compiled backward leaves no overlap.
+    sync = GradientSync(muon_buckets + [b for b, _, _ in adam_buckets], world_size, launch_from_hooks=not compiled)
     names = {p: name for name, p in model.named_parameters()}
-    return Optimizers(sync=sync, muon=Muon(muon_buckets, rank, args.ns_steps, names) if args.muon else None,
+    # The record compiles Newton-Schulz: its five bf16 iterations fuse into a few kernels per shape.
+    orthogonalize = torch.compile(newton_schulz, dynamic=False) if compiled else newton_schulz
+    return Optimizers(sync=sync, muon=Muon(muon_buckets, rank, args.ns_steps, names, orthogonalize)
+                      if args.muon else None,
                       adam=ShardedAdam(adam_buckets, rank, (args.adam_beta1, args.adam_beta2), args.adam_eps, names),
                       scale=1.0 / (world_size * accum))
 
@@ -1013,6 +1092,19 @@ def window_blocks(step: int, args: Hyperparameters) -> int:
         return max(args.seq_len, args.val_seq_len) // BLOCK_SIZE
     tokens = max(next_multiple(args.window_final_tokens * step / args.num_iterations, BLOCK_SIZE), BLOCK_SIZE)
     return tokens // BLOCK_SIZE
+
+
+class WindowTensors:
+    """window_blocks of every step as a device tensor made once at start-up, so that a training step
+    never copies the window from the host (a copy that would wait for the device)."""
+
+    def __init__(self, args: Hyperparameters, device: torch.device):
+        self.args = args
+        values = sorted({window_blocks(step, args) for step in range(args.num_iterations + 1)})
+        self.tensors = {v: torch.tensor(v, dtype=torch.int64, device=device) for v in values}
+
+    def __call__(self, step: int) -> Tensor:
+        return self.tensors[window_blocks(step, self.args)]
 
 
 # -----------------------------------------------------------------------------
@@ -1154,6 +1246,37 @@ def energy_line(joules: float | None, ranks: int, reason: str, train_s: float, t
     power = joules / max(train_s, 1e-9) / max(ranks, 1)
     per_kwh = f"{tokens / kwh:.3e}" if kwh > 0 else "n/a"
     return f"energy: {joules:.1f} J ({kwh:.6f} kWh) mean_power:{power:.1f}W/device tokens_per_kWh:{per_kwh}"
+
+
+class RecompileWatch:
+    """Counts torch.compile recompilations once warm-up is over, with dynamo's reason for each.
+
+    Warm-up compiles every shape and mode the run uses, so a later recompilation is timed work and a
+    sign of an unintended guard (a Python scalar that changes, a new shape).
+    """
+    LOGGER = "torch._dynamo.guards.__recompiles"  # dynamo's "recompiles" artifact log
+
+    def __init__(self):
+        self.count, self.pending = 0, []
+        self.handler = logging.Handler(logging.DEBUG)
+        self.handler.emit = self._record
+
+    def start(self) -> "RecompileWatch":
+        if "TORCH_LOGS" not in os.environ:  # the user's own TORCH_LOGS setting wins
+            torch._logging.set_logs(recompiles=True)
+        logging.getLogger(self.LOGGER).addHandler(self.handler)
+        return self
+
+    def _record(self, record: logging.LogRecord) -> None:
+        lines = [line.strip() for line in record.getMessage().splitlines() if line.strip()]
+        where = lines[0].removeprefix("Recompiling function ") if lines else "?"
+        guard = next((line.lstrip("- ") for line in lines[1:] if line.startswith("-")), "no guard reported")
+        self.count += 1
+        self.pending.append(f"{where}: {guard}")
+
+    def drain(self) -> list[str]:
+        pending, self.pending = self.pending, []
+        return pending
 
 
 def make_profiler(args: Hyperparameters, rt: Runtime, trace_path: Path):
@@ -1417,10 +1540,10 @@ def run_training(args: Hyperparameters, rt: Runtime, log: RunLog, accum: int, ru
     torch.manual_seed(args.seed)
     model = build_model(args, rt)
     compiled = torch.compile(model, dynamic=False) if rt.compile == "model" else model
-    opt = build_optimizers(model, args, rt.rank, rt.world_size, accum)
+    opt = build_optimizers(model, args, rt.rank, rt.world_size, accum, compiled=rt.compile == "model")
     stream = TokenStream(train_files, args.vocab_size, cycle=args.train_cycle)
     loader = DistributedTokenLoader(stream, args.seq_len, rt.rank, rt.world_size, accum, args.bos_align, rt.device)
-    window_of = lambda step: torch.tensor(window_blocks(step, args), dtype=torch.int64).to(rt.device)
+    window_of = WindowTensors(args, rt.device)
 
     def train_step(step: int) -> Tensor:
         window = window_of(step)
@@ -1433,7 +1556,7 @@ def run_training(args: Hyperparameters, rt: Runtime, log: RunLog, accum: int, ru
         opt.step(lr_multiplier(step, args.num_iterations, args.cooldown_frac, args.lr_final_frac),
                  muon_momentum(step, args.muon_momentum_warmup_steps, args.muon_momentum_start, args.muon_momentum),
                  args)
-        model.zero_grad(set_to_none=False)  # reusing gradient buffers saves re-allocating them every step
+        model.zero_grad(set_to_none=True)  # R: the next backward writes fresh gradients, no zeroing kernels
         return torch.stack(losses).mean()
 
     if args.warmup_steps > 0:  # compile and warm kernels on real shapes, then forget it happened
@@ -1449,6 +1572,7 @@ def run_training(args: Hyperparameters, rt: Runtime, log: RunLog, accum: int, ru
         log.write(f"resumed from {checkpoint} at step {start_step}")
 
     energy = EnergyMeter.open(rt)
+    recompiles = RecompileWatch().start()
     stop = StopSignal()
     checkpointing = args.checkpoint_every > 0 or args.checkpoint_final or args.stop_after > 0
     profiler = make_profiler(args, rt, Path(args.log_dir) / f"{run_id}_rank{rt.rank}.trace.json") \
@@ -1499,6 +1623,8 @@ def run_training(args: Hyperparameters, rt: Runtime, log: RunLog, accum: int, ru
             t0 = time.perf_counter()
             energy.start()
         loss = train_step(step)
+        for reason in recompiles.drain():
+            log.write(f"warning: torch.compile recompiled after warm-up at step {step + 1}: {reason}")
         if profiler is not None:
             profiler.step()
         now_ms = training_ms + 1000 * (time.perf_counter() - t0)
@@ -1528,6 +1654,11 @@ def run_training(args: Hyperparameters, rt: Runtime, log: RunLog, accum: int, ru
                    "tokens": tokens, "final_val_loss": val_loss, "train_time_ms": training_ms,
                    "peak_memory_mib": peak_mib, "energy_j": joules, "energy_kwh": kwh,
                    "tokens_per_kwh": tokens / kwh if kwh else None, "val_curve": val_curve,
+                   "recompiles_after_warmup": recompiles.count,
+                   "step_avg_ms": training_ms / max(N - start_step, 1),
+                   "runtime": {"attention": rt.attention, "fp8_head": rt.fp8_head, "compile": rt.compile,
+                               "dtype": str(rt.dtype).removeprefix("torch."), "device": str(rt.device),
+                               "grad_accum_steps": accum},
                    "hyperparameters": dataclasses.asdict(args), "status": "finished"}
         write_summary(Path(args.log_dir) / f"{run_id}.json", summary, log)
     return 0
