@@ -9,9 +9,12 @@ What it does, in order:
       gradients, as relative errors to an fp32 matmul (only with compute capability >= 8.9), and
       compiled FlexAttention (the model's FlexAttention backend with sliding_window_block_mask)
       against the SDPA dense-mask path at T=4096, forward and input gradients;
-  (c) the speedrun preset for a few dozen steps under torchrun on the visible GPUs, on synthetic
-      FineWeb-format shards written to a temporary folder: ms/step and peak memory from its log.
-Then it prints one summary table (check | result | numbers), with every skip and its reason.
+  (c) the speedrun preset (full 393,216-token batch: 8 micro-steps on 1 GPU) for a few dozen steps under
+      torchrun on the visible GPUs, on synthetic FineWeb-format shards written to a temporary folder:
+      ms/step after warm-up, peak memory and recompilations after warm-up from its JSON summary; the top
+      15 CUDA kernels by time and communication vs compute time from a profiler trace of 3 steps.
+Then it prints one summary table (check | result | numbers), with every skip and its reason, and writes
+the table and every number as JSON (--out, default bench/results/gpu_check.json).
 
 Without a CUDA GPU nothing GPU-specific can run: it says so, lists the skips and exits 0.
 Exit status: 0 when nothing failed, 1 when a check failed or errored (a pytest part that runs out of
@@ -34,7 +37,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 GLOBAL_BATCH = 8 * 48 * 1024  # the speedrun preset's tokens per optimizer step
 SEQUENCES_PER_STEP = 8  # 48K-token sequences per step: the world size must divide it
-VAL_SEQ_LEN = 64 * 1024
+VAL_SEQ_LEN = 4 * 64 * 1024  # the speedrun preset's val_seq_len (the record's)
+PROFILED_STEPS = 3  # steps of the profiler trace the kernel table comes from
 FP8_SHAPE = (2048, 768, 8192)  # rows, model dim, vocabulary slice of the head check; rows >= ~1024 keep the
 # mean-loss gradient times the fixed 2**19 scale inside float8_e5m2's range (57344), as in training
 FLEX_SHAPE = (4096, 6, 128)  # tokens, heads, head dim of the attention check (the speedrun's heads)
@@ -204,25 +208,27 @@ def write_shard(path: Path, n_tokens: int, seed: int) -> None:
         f.write(tokens.astype("<u2").tobytes())
 
 
-def parse_train_log(text: str) -> dict:
-    """ms/step (step_avg of the last training step line), peak memory and final val loss from a run log."""
-    found: dict = {}
-    steps = re.findall(r"^step:(\d+)/(\d+) (?!val_loss)[^\n]*?step_avg:([\d.]+)ms", text, re.M)
-    if steps:
-        found["step"], found["of"], found["step_avg_ms"] = int(steps[-1][0]), int(steps[-1][1]), float(steps[-1][2])
-    m = re.search(r"peak memory allocated: (\d+) MiB reserved: (\d+) MiB", text)
-    if m:
-        found["peak_alloc_mib"], found["peak_reserved_mib"] = int(m[1]), int(m[2])
-    m = re.search(r"^final: val_loss:(\S+)", text, re.M)
-    if m:
-        found["final_val_loss"] = m[1]
-    return found
+def kernel_table(trace_path: Path, top: int = 15) -> dict:
+    """Total time per CUDA kernel in a Chrome trace, the top kernels, and NCCL (communication) vs the rest."""
+    import json
+    events = json.loads(trace_path.read_text()).get("traceEvents", [])
+    totals: dict[str, float] = {}
+    for e in events:
+        if e.get("ph") == "X" and e.get("cat") == "kernel":
+            totals[e["name"]] = totals.get(e["name"], 0.0) + float(e.get("dur", 0.0))
+    comm = sum(us for name, us in totals.items() if "nccl" in name.lower())
+    ranked = sorted(totals.items(), key=lambda kv: -kv[1])[:top]
+    return {"top_kernels": [{"name": n[:120], "ms": us / 1000} for n, us in ranked],
+            "kernel_ms": sum(totals.values()) / 1000, "communication_ms": comm / 1000,
+            "compute_ms": (sum(totals.values()) - comm) / 1000}
 
 
-def check_speedrun(n_gpus: int, steps: int, warmup: int, timeout: float) -> Row:
+def check_speedrun(n_gpus: int, steps: int, warmup: int, timeout: float) -> tuple[Row, dict]:
+    import json
     nproc = max(w for w in (1, 2, 4, 8) if w <= n_gpus and SEQUENCES_PER_STEP % w == 0)
     name = f"speedrun preset, {nproc} GPU(s), {steps} steps"
-    val_tokens = 4 * VAL_SEQ_LEN
+    val_tokens = VAL_SEQ_LEN * nproc
+    found: dict = {"nproc": nproc}
     with tempfile.TemporaryDirectory(prefix="gpu_check_") as tmp:
         tmp = Path(tmp)
         write_shard(tmp / "synth_train_000001.bin", (max(steps, warmup) + 1) * GLOBAL_BATCH + 1, seed=1)
@@ -230,7 +236,7 @@ def check_speedrun(n_gpus: int, steps: int, warmup: int, timeout: float) -> Row:
         log_dir = tmp / "logs"
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
                str(REPO / "train_gpt.py"), "--preset=speedrun", f"--num_iterations={steps}", "--val_every=0",
-               f"--warmup_steps={warmup}", f"--val_tokens={val_tokens}",
+               f"--warmup_steps={warmup}", f"--val_tokens={val_tokens}", f"--profile_steps={PROFILED_STEPS}",
                f"--train_files={tmp}/synth_train_*.bin", f"--val_files={tmp}/synth_val_*.bin",
                f"--log_dir={log_dir}", "--run_id=gpu_check"]
         say("$ " + " ".join(cmd))
@@ -251,29 +257,45 @@ def check_speedrun(n_gpus: int, steps: int, warmup: int, timeout: float) -> Row:
                 rc = None
         wall = time.time() - started
         text = out_path.read_text(errors="replace")
-        log = log_dir / "gpu_check.txt"
-        if log.is_file():
-            text += "\n" + log.read_text(errors="replace")
-    found = parse_train_log(text)
+        summary_path = log_dir / "gpu_check.json"
+        if summary_path.is_file():  # the trainer's declared result file, not its log lines
+            summary = json.loads(summary_path.read_text())
+            found.update({k: summary.get(k) for k in ("step_avg_ms", "peak_memory_mib", "final_val_loss",
+                                                       "recompiles_after_warmup", "runtime")})
+        trace = log_dir / "gpu_check_rank0.trace.json"
+        if trace.is_file():
+            found.update(kernel_table(trace))
+    found["wall_s"] = wall
     parts = []
-    if "step_avg_ms" in found:
-        parts.append(f"{found['step_avg_ms']:.1f} ms/step at step {found['step']}/{found['of']} "
-                     f"({GLOBAL_BATCH / found['step_avg_ms'] * 1000:,.0f} tokens/s)")
-    if "peak_alloc_mib" in found:
-        parts.append(f"peak memory {found['peak_alloc_mib']} MiB allocated, {found['peak_reserved_mib']} MiB "
-                     "reserved (rank 0)")
-    if "final_val_loss" in found:
-        parts.append(f"final val loss {found['final_val_loss']} (random tokens)")
+    if found.get("step_avg_ms"):
+        parts.append(f"{found['step_avg_ms']:.1f} ms/step ({GLOBAL_BATCH / found['step_avg_ms'] * 1000:,.0f} "
+                     "tokens/s)")
+    if found.get("peak_memory_mib") is not None:
+        parts.append(f"peak memory {found['peak_memory_mib']:.0f} MiB allocated (rank 0)")
+    if "recompiles_after_warmup" in found:
+        parts.append(f"recompiles after warm-up: {found['recompiles_after_warmup']}")
+    if "kernel_ms" in found:
+        parts.append(f"{PROFILED_STEPS} profiled steps: kernels {found['kernel_ms']:.0f} ms, of which "
+                     f"communication {found['communication_ms']:.0f} ms, compute {found['compute_ms']:.0f} ms")
     parts.append(f"wall {wall:.0f}s incl. compile")
     if rc is None:
-        return (name, "FAIL", f"timed out after {timeout:.0f}s; " + "; ".join(parts))
-    if rc != 0 or "step_avg_ms" not in found:
+        return (name, "FAIL", f"timed out after {timeout:.0f}s; " + "; ".join(parts)), found
+    if rc != 0 or not found.get("step_avg_ms"):
         tail = " | ".join(line for line in text.strip().splitlines()[-4:])
-        return (name, "FAIL", f"exit {rc}: {tail[:400]}")
-    return (name, "ok", "; ".join(parts))
+        return (name, "FAIL", f"exit {rc}: {tail[:400]}"), found
+    result = "ok" if found.get("recompiles_after_warmup") == 0 else "FAIL"
+    return (name, result, "; ".join(parts)), found
 
 
 # -----------------------------------------------------------------------------
+
+def write_json(path: Path, rows: list[Row], details: dict) -> None:
+    import json
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"table": [dict(check=c, result=r, numbers=n) for c, r, n in rows],
+                                "speedrun": details}, indent=1))
+    say(f"wrote {path}")
+
 
 def print_table(rows: list[Row]) -> None:
     widths = [max(len(r[i]) for r in rows + [("check", "result", "numbers")]) for i in range(2)]
@@ -291,6 +313,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=40, help="timed steps of the speedrun preset (default 40)")
     p.add_argument("--warmup", type=int, default=10, help="untimed compile/warm-up steps (default 10)")
     p.add_argument("--budget-s", type=float, default=570, help="overall time budget in seconds (default 570)")
+    p.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "gpu_check.json",
+                   help="JSON file for the table and every number (default bench/results/gpu_check.json)")
     p.add_argument("--tests-timeout-s", type=float, default=0,
                    help="time limit of the pytest part (default: 35%% of the budget, 70%% with --quick)")
     a = p.parse_args(sys.argv[1:] if argv is None else argv)
@@ -299,11 +323,13 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     say(f"python {platform.python_version()}, torch {torch.__version__}, CUDA build {torch.version.cuda}")
     rows: list[Row] = []
+    details: dict = {}
     names = ("pytest (GPU tests)", "fp8_matmul vs bf16", "FlexAttention vs SDPA, T=4096", "speedrun preset timing")
     if not torch.cuda.is_available():
         reason = "skipped: no CUDA GPU"
         say("no CUDA GPU visible (torch.cuda.is_available() is False): nothing GPU-specific can run here")
         print_table([(n, reason, "") for n in names])
+        write_json(a.out, [(n, reason, "") for n in names], details)
         say("skipped: every check (no CUDA GPU); run this on a machine with NVIDIA GPUs")
         return 0
 
@@ -326,8 +352,12 @@ def main(argv: list[str] | None = None) -> int:
         if remaining < 120:
             rows.append((names[3], "skipped: out of time", f"{remaining:.0f}s of --budget-s left, need >= 120"))
         else:
-            rows.append(check_speedrun(n_gpus, a.steps, a.warmup, remaining))
+            row, details = check_speedrun(n_gpus, a.steps, a.warmup, remaining)
+            rows.append(row)
+            for k in details.get("top_kernels", []):
+                say(f"  {k['ms']:9.1f} ms  {k['name']}")
     print_table(rows)
+    write_json(a.out, rows, details)
     skipped = [r for r in rows if r[1].startswith("skipped")]
     if skipped:
         say("skipped: " + "; ".join(f"{r[0]} ({r[1].removeprefix('skipped: ')})" for r in skipped))

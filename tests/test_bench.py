@@ -197,14 +197,16 @@ def test_resume_existing_ignores_summaries_of_other_settings(tmp_path):
 # ---------------------------------------------------------------- gpu_check.py
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU machine gpu_check.py runs the real checks")
-def test_gpu_check_without_a_gpu_reports_skips_and_exits_0():
-    proc = subprocess.run([sys.executable, str(REPO / "bench" / "gpu_check.py")], capture_output=True, text=True,
-                          timeout=120, cwd=REPO)
+def test_gpu_check_without_a_gpu_reports_skips_and_exits_0(tmp_path):
+    out = tmp_path / "gpu_check.json"
+    proc = subprocess.run([sys.executable, str(REPO / "bench" / "gpu_check.py"), f"--out={out}"],
+                          capture_output=True, text=True, timeout=120, cwd=REPO)
     assert proc.returncode == 0, proc.stderr
     assert "nothing GPU-specific can run" in proc.stdout and f"torch {torch.__version__}" in proc.stdout
     for check in ("pytest (GPU tests)", "fp8_matmul vs bf16", "FlexAttention vs SDPA", "speedrun preset timing"):
         assert check in proc.stdout
     assert proc.stdout.count("skipped: no CUDA GPU") == 4
+    assert [row["result"] for row in json.loads(out.read_text())["table"]] == ["skipped: no CUDA GPU"] * 4
 
 
 def test_gpu_check_shards_are_valid_train_gpt_shards(tmp_path):
@@ -215,14 +217,25 @@ def test_gpu_check_shards_are_valid_train_gpt_shards(tmp_path):
     assert tokens[0] == T.EOT_TOKEN and 10 < (tokens == T.EOT_TOKEN).sum() < 500
 
 
-def test_gpu_check_parses_the_run_log():
-    log = "\n".join([
-        "step:0/40 val_loss:10.8258 train_time:0ms step_avg:0.00ms",
-        "step:39/40 train_time:30000ms step_avg:769.23ms",
-        "step:40/40 train_time:30800ms step_avg:770.00ms",
-        "step:40/40 val_loss:10.9000 train_time:30800ms step_avg:770.00ms",
-        "peak memory allocated: 61234 MiB reserved: 70000 MiB",
-        "final: val_loss:10.9000 steps:40 tokens:15728640 train_time:30800ms"])
-    found = G.parse_train_log(log)
-    assert found == {"step": 40, "of": 40, "step_avg_ms": 770.0, "peak_alloc_mib": 61234,
-                     "peak_reserved_mib": 70000, "final_val_loss": "10.9000"}
+def test_gpu_check_reads_the_summary_of_a_real_run(tmp_path):
+    """The keys check_speedrun reads from the trainer's JSON summary, from a real tiny CPU run."""
+    from conftest import TINY, run_trainer
+    result = run_trainer(TINY + ["--run_id=gpu_check", "--num_iterations=2", "--val_every=0"], tmp_path)
+    assert result.returncode == 0, result.stderr[-2000:]
+    summary = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert summary["step_avg_ms"] == pytest.approx(summary["train_time_ms"] / 2)
+    assert summary["peak_memory_mib"] > 0 and summary["recompiles_after_warmup"] == 0
+    assert summary["runtime"] == {"attention": "sdpa", "fp8_head": False, "compile": "off", "dtype": "bfloat16",
+                                  "device": "cpu", "grad_accum_steps": 2}
+
+
+def test_gpu_check_kernel_table_from_a_chrome_trace(tmp_path):
+    events = [{"ph": "X", "cat": "kernel", "name": "ncclDevKernel_ReduceScatter", "dur": 3000},
+              {"ph": "X", "cat": "kernel", "name": "triton_mm", "dur": 5000},
+              {"ph": "X", "cat": "kernel", "name": "triton_mm", "dur": 1000},
+              {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "dur": 99999}]  # host events are not kernels
+    trace = tmp_path / "t.json"
+    trace.write_text(json.dumps({"traceEvents": events}))
+    table = G.kernel_table(trace, top=1)
+    assert table["top_kernels"] == [{"name": "triton_mm", "ms": 6.0}]
+    assert (table["kernel_ms"], table["communication_ms"], table["compute_ms"]) == (9.0, 3.0, 6.0)
