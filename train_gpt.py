@@ -182,22 +182,86 @@ def parse_args(argv: list[str], cuda_available: bool) -> Hyperparameters:
     if preset not in PRESETS:
         raise UsageError(f"unknown preset {preset!r}; valid presets: {', '.join(PRESETS)}")
     args = Hyperparameters(**{**PRESETS[preset], **overrides, "preset": preset})
-    for name, allowed in (("dtype", ("bf16", "fp32")), ("attention", ("auto", "flex", "sdpa")),
-                          ("compile", ("auto", "model", "loss", "off")), ("mlp_act", ("relu2", "gelu"))):
-        if getattr(args, name) not in allowed:
-            raise UsageError(f"bad value {getattr(args, name)!r} for --{name}; valid: {', '.join(allowed)}")
+    validate_args(args)
+    return args
+
+
+@dataclass(frozen=True)
+class Rule:
+    """What one flag accepts: a predicate and the valid range as the error message states it."""
+    ok: object  # value -> bool
+    valid: str
+
+
+def integer(lo: int, hi: int | None = None) -> Rule:
+    return Rule(lambda v: lo <= v and (hi is None or v <= hi),
+                f"an integer at least {lo}" if hi is None else f"an integer in [{lo}, {hi}]")
+
+
+def number(lo: float, hi: float = math.inf, hi_open: bool = False, lo_open: bool = False) -> Rule:
+    """A finite float in the interval (NaN and inf are refused everywhere: they only ever mean a typo)."""
+    def ok(v):
+        return math.isfinite(v) and (v > lo if lo_open else v >= lo) and (v < hi if hi_open else v <= hi)
+    left, right = "(" if lo_open else "[", ")" if hi_open or hi == math.inf else "]"
+    return Rule(ok, f"a finite number in {left}{lo:g}, {'inf' if hi == math.inf else f'{hi:g}'}{right}")
+
+
+def one_of(*allowed: str) -> Rule:
+    return Rule(lambda v: v in allowed, "one of " + ", ".join(allowed))
+
+
+ANY_BOOL = Rule(lambda v: True, "true or false")
+ANY_TEXT = Rule(lambda v: True, "any text")
+NON_EMPTY = Rule(lambda v: v != "", "a non-empty path or glob")
+# A run id names a log file and a folder directly under --log_dir, so it must not be a path.
+PLAIN_NAME = Rule(lambda v: v == "" or (v not in (".", "..") and v[0] != "." and
+                                        all(c.isascii() and (c.isalnum() or c in "._+=-") for c in v)),
+                  "a plain name of letters, digits and ._+=- (no path separators, no leading dot), "
+                  "or empty for a fresh name")
+UNIT = number(0.0, 1.0)
+BETA = number(0.0, 1.0, hi_open=True)  # a decay of 1 never forgets; above 1 it diverges
+LR = number(0.0)
+
+# Every Hyperparameters field and what it accepts; validate_args refuses a field missing here.
+FLAG_RULES: dict[str, Rule] = {
+    "preset": one_of(*PRESETS), "seed": integer(0, 2**63 - 1),
+    "train_files": NON_EMPTY, "val_files": NON_EMPTY, "val_tokens": integer(1), "train_cycle": ANY_BOOL,
+    "bos_align": ANY_BOOL, "batch_tokens": integer(1), "seq_len": integer(BLOCK_SIZE),
+    "val_seq_len": integer(BLOCK_SIZE), "num_iterations": integer(1), "cooldown_frac": UNIT, "lr_final_frac": UNIT,
+    "val_every": integer(0), "window_final_tokens": integer(1), "sliding_window": ANY_BOOL,
+    "vocab_size": integer(1), "n_layer": integer(2), "model_dim": integer(1), "n_head": integer(1),
+    "head_dim": integer(4), "attn_scale": number(0.0, lo_open=True), "logit_softcap": number(0.0),
+    "value_embeds": ANY_BOOL, "unet_skips": ANY_BOOL, "zero_init": ANY_BOOL, "qk_norm": ANY_BOOL,
+    "mlp_act": one_of("relu2", "gelu"), "muon": ANY_BOOL, "muon_lr": LR, "muon_momentum": BETA,
+    "muon_momentum_start": BETA, "muon_momentum_warmup_steps": integer(0), "ns_steps": integer(1),
+    "adam_beta1": BETA, "adam_beta2": BETA, "adam_eps": number(0.0, lo_open=True), "head_lr": LR, "embed_lr": LR,
+    "scalar_lr": LR, "matrix_adam_lr": LR, "weight_decay": number(0.0), "dtype": one_of("bf16", "fp32"),
+    "fp8_head": ANY_BOOL, "attention": one_of("auto", "flex", "sdpa"),
+    "compile": one_of("auto", "model", "loss", "off"), "warmup_steps": integer(0),
+    "collective_timeout_s": integer(1), "log_dir": NON_EMPTY, "run_id": PLAIN_NAME, "log_train_loss": ANY_BOOL,
+    "profile_steps": integer(0), "checkpoint_every": integer(0), "checkpoint_final": ANY_BOOL,
+    "checkpoint_keep": integer(1), "resume": ANY_TEXT, "stop_after": integer(0),
+}
+
+
+def validate_args(args: Hyperparameters) -> None:
+    """Refuses, with one line naming the flag and its valid range, any value the run would trip over later."""
+    missing = [f.name for f in fields(Hyperparameters) if f.name not in FLAG_RULES]
+    assert not missing, f"no validation rule for {missing}"  # a new field needs its entry in FLAG_RULES
+    for name, rule in FLAG_RULES.items():
+        value = getattr(args, name)
+        if not rule.ok(value):
+            raise UsageError(f"bad value {value!r} for --{name}; valid: {rule.valid}")
+    # Relations between flags, once every flag is in range.
     for name in ("seq_len", "val_seq_len"):
         if getattr(args, name) % BLOCK_SIZE:
             raise UsageError(f"--{name}={getattr(args, name)} is not a multiple of the {BLOCK_SIZE}-token block")
     if args.val_tokens % args.val_seq_len:
         raise UsageError(f"--val_tokens={args.val_tokens} is not a multiple of --val_seq_len={args.val_seq_len}")
-    if args.n_layer < 2 or args.n_layer % 2:
+    if args.n_layer % 2:
         raise UsageError(f"--n_layer={args.n_layer}: the U-net layout needs an even depth >= 2")
-    if args.n_head * args.head_dim <= 0 or args.head_dim % 4:
+    if args.head_dim % 4:
         raise UsageError(f"--head_dim={args.head_dim} must be a positive multiple of 4 (half-truncated rotary)")
-    if args.num_iterations < 1:
-        raise UsageError(f"--num_iterations={args.num_iterations} must be at least 1")
-    return args
 
 
 # -----------------------------------------------------------------------------
