@@ -1490,7 +1490,8 @@ def rank_file_problem(path: Path, meta: dict, rank: int) -> str:
         return f"{file} is missing"
     actual = file_record(file)
     if actual["bytes"] != recorded["bytes"]:
-        return f"{file} has {actual['bytes']} bytes, {CHECKPOINT_META} recorded {recorded['bytes']}"
+        return (f"{file} is unreadable ({actual['bytes']} bytes, {CHECKPOINT_META} recorded {recorded['bytes']}): "
+                "it is truncated or corrupt")
     if actual["sha256"] != recorded["sha256"]:
         return f"{file} does not match the sha256 in {CHECKPOINT_META} (corrupt)"
     return ""
