@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import fcntl
 import glob
 import hashlib
 import json
@@ -186,22 +187,87 @@ def parse_args(argv: list[str], cuda_available: bool) -> Hyperparameters:
     if preset not in PRESETS:
         raise UsageError(f"unknown preset {preset!r}; valid presets: {', '.join(PRESETS)}")
     args = Hyperparameters(**{**PRESETS[preset], **overrides, "preset": preset})
-    for name, allowed in (("dtype", ("bf16", "fp32")), ("attention", ("auto", "flex", "sdpa")),
-                          ("compile", ("auto", "model", "loss", "off")), ("mlp_act", ("relu2", "gelu"))):
-        if getattr(args, name) not in allowed:
-            raise UsageError(f"bad value {getattr(args, name)!r} for --{name}; valid: {', '.join(allowed)}")
+    validate_args(args)
+    return args
+
+
+@dataclass(frozen=True)
+class Rule:
+    """What one flag accepts: a predicate and the valid range as the error message states it."""
+    ok: object  # value -> bool
+    valid: str
+
+
+def integer(lo: int, hi: int | None = None) -> Rule:
+    return Rule(lambda v: lo <= v and (hi is None or v <= hi),
+                f"an integer at least {lo}" if hi is None else f"an integer in [{lo}, {hi}]")
+
+
+def number(lo: float, hi: float = math.inf, hi_open: bool = False, lo_open: bool = False) -> Rule:
+    """A finite float in the interval (NaN and inf are refused everywhere: they only ever mean a typo)."""
+    def ok(v):
+        return math.isfinite(v) and (v > lo if lo_open else v >= lo) and (v < hi if hi_open else v <= hi)
+    left, right = "(" if lo_open else "[", ")" if hi_open or hi == math.inf else "]"
+    return Rule(ok, f"a finite number in {left}{lo:g}, {'inf' if hi == math.inf else f'{hi:g}'}{right}")
+
+
+def one_of(*allowed: str) -> Rule:
+    return Rule(lambda v: v in allowed, "one of " + ", ".join(allowed))
+
+
+ANY_BOOL = Rule(lambda v: True, "true or false")
+ANY_TEXT = Rule(lambda v: True, "any text")
+NON_EMPTY = Rule(lambda v: v != "", "a non-empty path or glob")
+# A run id names a log file and a folder directly under --log_dir, so it must not be a path.
+PLAIN_NAME = Rule(lambda v: v == "" or (v not in (".", "..") and v[0] != "." and
+                                        all(c.isascii() and (c.isalnum() or c in "._+=-") for c in v)),
+                  "a plain name of letters, digits and ._+=- (no path separators, no leading dot), "
+                  "or empty for a fresh name")
+UNIT = number(0.0, 1.0)
+BETA = number(0.0, 1.0, hi_open=True)  # a decay of 1 never forgets; above 1 it diverges
+LR = number(0.0)
+
+# Every Hyperparameters field and what it accepts; validate_args refuses a field missing here.
+FLAG_RULES: dict[str, Rule] = {
+    "preset": one_of(*PRESETS), "seed": integer(0, 2**63 - 1),
+    "train_files": NON_EMPTY, "val_files": NON_EMPTY, "val_tokens": integer(1), "train_cycle": ANY_BOOL,
+    "bos_align": ANY_BOOL, "batch_tokens": integer(1), "seq_len": integer(BLOCK_SIZE),
+    "val_seq_len": integer(BLOCK_SIZE), "num_iterations": integer(1), "cooldown_frac": UNIT, "lr_final_frac": UNIT,
+    "val_every": integer(0), "window_final_tokens": integer(1), "sliding_window": ANY_BOOL,
+    "vocab_size": integer(1), "n_layer": integer(2), "model_dim": integer(1), "n_head": integer(1),
+    "head_dim": integer(4), "attn_scale": number(0.0, lo_open=True), "logit_softcap": number(0.0),
+    "value_embeds": ANY_BOOL, "unet_skips": ANY_BOOL, "zero_init": ANY_BOOL, "qk_norm": ANY_BOOL,
+    "mlp_act": one_of("relu2", "gelu"), "muon": ANY_BOOL, "muon_lr": LR, "muon_momentum": BETA,
+    "muon_momentum_start": BETA, "muon_momentum_warmup_steps": integer(0), "ns_steps": integer(1),
+    "adam_beta1": BETA, "adam_beta2": BETA, "adam_eps": number(0.0, lo_open=True), "head_lr": LR, "embed_lr": LR,
+    "scalar_lr": LR, "matrix_adam_lr": LR, "weight_decay": number(0.0), "dtype": one_of("bf16", "fp32"),
+    "fp8_head": ANY_BOOL, "attention": one_of("auto", "flex", "sdpa"),
+    "compile": one_of("auto", "model", "loss", "off"), "coordinate_descent_tuning": ANY_BOOL,
+    "warmup_steps": integer(0),
+    "collective_timeout_s": integer(1), "log_dir": NON_EMPTY, "run_id": PLAIN_NAME, "log_train_loss": ANY_BOOL,
+    "profile_steps": integer(0), "checkpoint_every": integer(0), "checkpoint_final": ANY_BOOL,
+    "checkpoint_keep": integer(1), "resume": ANY_TEXT, "stop_after": integer(0),
+}
+
+
+def validate_args(args: Hyperparameters) -> None:
+    """Refuses, with one line naming the flag and its valid range, any value the run would trip over later."""
+    missing = [f.name for f in fields(Hyperparameters) if f.name not in FLAG_RULES]
+    assert not missing, f"no validation rule for {missing}"  # a new field needs its entry in FLAG_RULES
+    for name, rule in FLAG_RULES.items():
+        value = getattr(args, name)
+        if not rule.ok(value):
+            raise UsageError(f"bad value {value!r} for --{name}; valid: {rule.valid}")
+    # Relations between flags, once every flag is in range.
     for name in ("seq_len", "val_seq_len"):
         if getattr(args, name) % BLOCK_SIZE:
             raise UsageError(f"--{name}={getattr(args, name)} is not a multiple of the {BLOCK_SIZE}-token block")
     if args.val_tokens % args.val_seq_len:
         raise UsageError(f"--val_tokens={args.val_tokens} is not a multiple of --val_seq_len={args.val_seq_len}")
-    if args.n_layer < 2 or args.n_layer % 2:
+    if args.n_layer % 2:
         raise UsageError(f"--n_layer={args.n_layer}: the U-net layout needs an even depth >= 2")
-    if args.n_head * args.head_dim <= 0 or args.head_dim % 4:
+    if args.head_dim % 4:
         raise UsageError(f"--head_dim={args.head_dim} must be a positive multiple of 4 (half-truncated rotary)")
-    if args.num_iterations < 1:
-        raise UsageError(f"--num_iterations={args.num_iterations} must be at least 1")
-    return args
 
 
 # -----------------------------------------------------------------------------
@@ -1288,9 +1354,10 @@ def make_profiler(args: Hyperparameters, rt: Runtime, trace_path: Path):
 
 
 # -----------------------------------------------------------------------------
-# Checkpoints: exact resume, written atomically
+# Checkpoints: exact resume, written atomically, verified on load, never of a diverged state
 
 MODEL_SHAPE_FIELDS = ("vocab_size", "n_layer", "model_dim", "n_head", "head_dim", "value_embeds", "unet_skips")
+OPTIMIZER_STRUCTURE_FIELDS = ("muon",)  # decides which matrices Muon owns, hence the optimizer state's layout
 CHECKPOINT_META = "checkpoint.json"
 
 
@@ -1344,35 +1411,77 @@ def ranks_agree(ok: bool, rt: Runtime) -> bool:
     return flag.item() == 0
 
 
-def save_checkpoint(state: dict, args: Hyperparameters, rt: Runtime, run_id: str, log: RunLog) -> Path:
-    """Each rank writes its file into step_N.tmp/, then rank 0 adds the metadata and renames the folder.
+def file_record(path: Path) -> dict:
+    """Size and sha256 of a file as it is on disk (read back, so what is recorded is what was written)."""
+    with open(path, "rb") as f:
+        return {"bytes": os.fstat(f.fileno()).st_size, "sha256": hashlib.file_digest(f, "sha256").hexdigest()}
 
-    A failed write (a full disk, say) leaves every earlier checkpoint untouched.
+
+def gather_objects(obj, rt: Runtime) -> list:
+    if rt.world_size == 1:
+        return [obj]
+    out = [None] * rt.world_size
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def write_failure(e: BaseException) -> str:
+    """One line for a failed write: torch.save reports a full disk as a RuntimeError without errno."""
+    if isinstance(e, OSError) and e.strerror:
+        return e.strerror
+    lines = str(e).strip().splitlines()
+    return lines[-1][:200] if lines else type(e).__name__
+
+
+def free_mib(path: Path) -> str:
+    for p in (path, *path.parents):
+        if p.exists():
+            return f"{shutil.disk_usage(p).free / 2**20:.0f} MiB free"
+    return "free space unknown"
+
+
+def save_checkpoint(state: dict, args: Hyperparameters, rt: Runtime, run_id: str, log: RunLog) -> Path:
+    """Each rank writes its file into step_N.tmp/, then rank 0 adds the metadata (with every rank
+    file's size and sha256) and renames the folder.
+
+    A failed write (a full disk, say) removes the partial files and the staging folder on every rank
+    and leaves every earlier checkpoint untouched.
     """
     root = checkpoint_root(args, run_id)
     final = root / f"step_{state['step']:06d}"
     staging = root / (final.name + ".tmp")
+    target = staging / f"rank{rt.rank}.pt"
+    part = Path(str(target) + ".part")
     started = time.perf_counter()
-    error = ""
+    error, record = "", None
     try:
         staging.mkdir(parents=True, exist_ok=True)
-        target = staging / f"rank{rt.rank}.pt"
-        torch.save(state, str(target) + ".part")
-        os.replace(str(target) + ".part", target)
-    except OSError as e:
-        error = e.strerror or str(e)
-    if not ranks_agree(not error, rt):
+        torch.save(state, str(part))
+        os.replace(part, target)
+        record = file_record(target)
+    except (OSError, RuntimeError) as e:
+        error = write_failure(e)
+    if ranks_agree(not error, rt):
+        records = gather_objects(record, rt)
         if rt.is_master:
-            shutil.rmtree(staging, ignore_errors=True)
+            meta = {"run_id": run_id, "step": state["step"], "world_size": rt.world_size,
+                    "source_sha256": source_sha256(), "hyperparameters": dataclasses.asdict(args),
+                    "files": {f"rank{r}.pt": rec for r, rec in enumerate(records)}}
+            try:
+                (staging / CHECKPOINT_META).write_text(json.dumps(meta, indent=1))
+                shutil.rmtree(final, ignore_errors=True)
+                os.replace(staging, final)
+            except OSError as e:
+                error = write_failure(e)
+    if not ranks_agree(not error, rt):
+        for leftover in (part, target):
+            leftover.unlink(missing_ok=True)
+        shutil.rmtree(staging, ignore_errors=True)
         previous = complete_checkpoints(root)
-        raise UsageError(f"cannot write checkpoint {final} ({error or 'failed on another rank'}); "
-                         f"previous checkpoint {previous[-1] if previous else '(none)'} is intact; free disk space")
+        raise UsageError(f"cannot write checkpoint {final} ({error or 'failed on another rank'}); partial files "
+                         f"removed, previous checkpoint {previous[-1] if previous else '(none)'} is intact; "
+                         f"free disk space ({free_mib(root)}) and resume with --resume=latest")
     if rt.is_master:
-        meta = {"run_id": run_id, "step": state["step"], "world_size": rt.world_size,
-                "source_sha256": source_sha256(), "hyperparameters": dataclasses.asdict(args)}
-        (staging / CHECKPOINT_META).write_text(json.dumps(meta, indent=1))
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(staging, final)
         for old in complete_checkpoints(root)[:-max(args.checkpoint_keep, 1)]:
             shutil.rmtree(old, ignore_errors=True)
         size = sum(f.stat().st_size for f in final.iterdir())
@@ -1382,32 +1491,176 @@ def save_checkpoint(state: dict, args: Hyperparameters, rt: Runtime, run_id: str
     return final
 
 
-def find_checkpoint(args: Hyperparameters) -> Path:
-    """The folder --resume names; 'latest' is the newest finished checkpoint of any run under log_dir."""
+class FiniteWatch:
+    """Whether any training loss was non-finite, accumulated on the device (no host sync per step),
+    so that a diverged state is never checkpointed and never rotates a good checkpoint away."""
+
+    def __init__(self, device: torch.device, start_step: int, resumed_from: Path | None):
+        self.bad = torch.zeros((), dtype=torch.bool, device=device)
+        self.good_step, self.newest_good = start_step, resumed_from
+
+    def observe(self, loss: Tensor) -> None:
+        self.bad |= ~torch.isfinite(loss)
+
+    def state_is_finite(self, model: nn.Module, rt: Runtime) -> bool:
+        """The losses so far and every weight are finite, on every rank (one reduction, one sync)."""
+        flags = torch.stack([self.bad, *(~torch.isfinite(p).all() for p in model.parameters())])
+        return ranks_agree(not bool(flags.any()), rt)
+
+    def hint(self) -> str:
+        return f"the newest good checkpoint is {self.newest_good or '(none)'}"
+
+
+def save_finite_checkpoint(watch: FiniteWatch, model: GPT, opt: Optimizers, stream: TokenStream, step: int,
+                           args: Hyperparameters, rt: Runtime, run_id: str, log: RunLog) -> Path:
+    """save_checkpoint, refused (and the run stopped) once the loss or the weights are not finite."""
+    if not watch.state_is_finite(model, rt):
+        raise UsageError(f"the loss or the weights became non-finite between step {watch.good_step} and step "
+                         f"{step}; no checkpoint written, {watch.hint()}: resume from it with lower learning rates")
+    watch.newest_good = save_checkpoint(training_state(model, opt, stream, step, rt.is_master), args, rt, run_id, log)
+    watch.good_step = step
+    return watch.newest_good
+
+
+def lock_run_log(log: RunLog, run_id: str) -> None:
+    """Rank 0 holds an exclusive lock on its run log while it lives, which tells later runs in the same
+    log_dir that this run's staging folders are in use (the lock dies with the process, even on kill -9)."""
+    if log.file is None:
+        return
+    try:
+        fcntl.flock(log.file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise UsageError(f"run {run_id} is running in another process ({log.path} is locked); wait for it to "
+                         "end or pick another --run_id") from None
+    except OSError:
+        pass  # a filesystem without locks: stale staging folders of other runs are then left alone
+
+
+def owner_is_gone(log_path: Path) -> bool:
+    """True when no live process holds the lock on a run log (or the log is gone)."""
+    try:
+        with open(log_path, "rb") as f:
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+    except FileNotFoundError:
+        return True
+    except OSError:
+        return False
+
+
+def clean_stale_staging(args: Hyperparameters, run_id: str, log: RunLog) -> None:
+    """Rank 0 removes step_N.tmp/ folders under log_dir left by killed runs, so they cannot fill the disk."""
+    if log.file is None:
+        return
+    for staging in sorted(Path(args.log_dir).glob("*/step_*.tmp")):
+        run = staging.parent.name
+        if run == run_id or owner_is_gone(Path(args.log_dir) / f"{run}.txt"):
+            shutil.rmtree(staging, ignore_errors=True)
+            log.write(f"removed stale checkpoint staging folder {staging} (left by a killed run)")
+
+
+def checkpoint_candidates(args: Hyperparameters) -> list[Path]:
+    """The folder --resume names; for 'latest', every finished checkpoint under log_dir, newest first."""
     if args.resume == "latest":
         found = [c for run in Path(args.log_dir).glob("*") if run.is_dir() for c in complete_checkpoints(run)]
         if not found:
             raise UsageError(f"--resume=latest: no finished checkpoint under {args.log_dir}/; "
                              "train with --checkpoint_every=N first")
-        return max(found, key=lambda c: (c.stat().st_mtime, c.name))
+        return sorted(found, key=lambda c: (c.stat().st_mtime, c.name), reverse=True)
     path = Path(args.resume)
     if not (path / CHECKPOINT_META).is_file():
         what = "not found" if not path.exists() else f"incomplete (no {CHECKPOINT_META})"
         raise UsageError(f"checkpoint {path} is {what}; pass a step_N folder or --resume=latest")
-    return path
+    return [path]
 
 
-def load_checkpoint(path: Path, args: Hyperparameters, rt: Runtime, log: RunLog) -> dict:
-    """This rank's state from a checkpoint folder, refused when model shape or world size differ."""
-    meta = json.loads((path / CHECKPOINT_META).read_text())
-    for name in MODEL_SHAPE_FIELDS:
-        if meta["hyperparameters"][name] != getattr(args, name):
-            raise UsageError(f"checkpoint {path} has {name}={meta['hyperparameters'][name]} but this run has "
-                             f"{name}={getattr(args, name)}; pass the same model flags to resume it")
+def read_checkpoint_meta(path: Path) -> dict:
+    """checkpoint.json, or a one-line error when it is truncated or not a checkpoint's."""
+    try:
+        meta = json.loads((path / CHECKPOINT_META).read_text())
+        int(meta["step"]), int(meta["world_size"]), dict(meta["hyperparameters"])
+        return meta
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise UsageError(f"checkpoint {path} has an unreadable {CHECKPOINT_META} ({type(e).__name__}): it is "
+                         "truncated or corrupt; resume from an earlier checkpoint") from None
+
+
+def check_compatible(path: Path, meta: dict, args: Hyperparameters, rt: Runtime) -> None:
+    """Refuses a checkpoint this run cannot continue: another model shape, optimizer layout or world
+    size, or no steps left to train."""
+    for names, what in ((MODEL_SHAPE_FIELDS, "model"), (OPTIMIZER_STRUCTURE_FIELDS, "optimizer")):
+        for name in names:
+            saved = meta["hyperparameters"].get(name, "(not recorded)")
+            if saved != getattr(args, name):
+                raise UsageError(f"checkpoint {path} has {name}={saved} but this run has {name}={getattr(args, name)}; "
+                                 f"pass the same {what} flags to resume it")
     if meta["world_size"] != rt.world_size:
         raise UsageError(f"checkpoint {path} was written by {meta['world_size']} ranks, this run has "
                          f"{rt.world_size}; resume with --nproc_per_node={meta['world_size']} (optimizer state "
                          "is sharded per rank)")
+    if meta["step"] >= args.num_iterations:
+        raise UsageError(f"checkpoint {path} is at step {meta['step']}, at or past --num_iterations="
+                         f"{args.num_iterations}: nothing is left to train; pass a larger --num_iterations")
+
+
+def rank_file_problem(path: Path, meta: dict, rank: int) -> str:
+    """Why this rank's file does not match the size and sha256 in checkpoint.json ('' when it does)."""
+    name = f"rank{rank}.pt"
+    recorded = meta.get("files", {}).get(name)
+    file = path / name
+    if recorded is None:
+        return "" if "files" not in meta else f"{CHECKPOINT_META} lists no {name}"
+    if not file.is_file():
+        return f"{file} is missing"
+    actual = file_record(file)
+    if actual["bytes"] != recorded["bytes"]:
+        return (f"{file} is unreadable ({actual['bytes']} bytes, {CHECKPOINT_META} recorded {recorded['bytes']}): "
+                "it is truncated or corrupt")
+    if actual["sha256"] != recorded["sha256"]:
+        return f"{file} does not match the sha256 in {CHECKPOINT_META} (corrupt)"
+    return ""
+
+
+def choose_checkpoint(args: Hyperparameters, rt: Runtime) -> tuple[Path, list[str]]:
+    """The checkpoint to resume from, verified on every rank at start-up, and lines for the run log.
+
+    An explicit folder that fails verification is refused; --resume=latest falls back to the newest
+    complete checkpoint that verifies, and says so. Incompatible flags are refused either way.
+    """
+    candidates = checkpoint_candidates(args)
+    if rt.world_size > 1:  # every rank walks rank 0's list
+        shared = [candidates]
+        dist.broadcast_object_list(shared, src=0)
+        candidates = shared[0]
+    notes = []
+    for path in candidates:
+        try:
+            meta, problem = read_checkpoint_meta(path), ""
+        except UsageError as e:
+            if args.resume != "latest":
+                raise
+            meta, problem = None, str(e)
+        if meta is not None:
+            check_compatible(path, meta, args, rt)
+            problem = rank_file_problem(path, meta, rt.rank)
+        if ranks_agree(not problem, rt):
+            if "files" not in meta:
+                notes.append(f"warning: checkpoint {path} records no file hashes (older train_gpt.py); not verified")
+            if path != candidates[0]:
+                notes.append(f"--resume=latest: falling back to {path}")
+            return path, notes
+        problem = problem or "a rank file failed verification on another rank"
+        if args.resume != "latest":
+            raise UsageError(f"checkpoint {path} failed verification: {problem}; resume from an earlier checkpoint "
+                             "or pass --resume=latest to use the newest one that verifies")
+        notes.append(f"--resume=latest: skipping checkpoint {path}: {problem}")
+    raise UsageError(f"--resume=latest: none of the {len(candidates)} checkpoint(s) under {args.log_dir}/ verifies "
+                     f"(newest: {notes[0].split(': ', 2)[-1]}); start afresh without --resume")
+
+
+def load_checkpoint(path: Path, args: Hyperparameters, rt: Runtime, log: RunLog) -> dict:
+    """This rank's state from a checkpoint folder that choose_checkpoint verified at start-up."""
+    meta = read_checkpoint_meta(path)
     if meta["source_sha256"] != source_sha256():
         log.write(f"warning: train_gpt.py changed since checkpoint {path} was written")
     file = path / f"rank{rt.rank}.pt"
@@ -1418,26 +1671,71 @@ def load_checkpoint(path: Path, args: Hyperparameters, rt: Runtime, log: RunLog)
                          "corrupt: resume from an earlier checkpoint") from None
 
 
+class Interrupted(BaseException):
+    """A signal before the training loop: nothing to save yet. A BaseException, like KeyboardInterrupt,
+    so that no `except Exception` on the way (compilers, loaders) swallows or rewraps it."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
 class StopSignal:
-    """SIGTERM/SIGINT: the first asks the run to stop after the current step; a second exits at once."""
+    """SIGTERM/SIGINT. Before the training loop the first one ends the run at once (Interrupted); in the
+    loop it asks every rank to stop after the current step. A second signal exits at once."""
 
     def __init__(self):
         self.signum: int | None = None
+        self.deferred = False
+        self._pending = None  # the previous step's agreement: (waiter, result)
+
+    def install(self) -> "StopSignal":
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._handle)
+        return self
+
+    def defer(self) -> "StopSignal":
+        """From here on, a signal is acted upon at a step boundary, where a checkpoint can be written."""
+        self.deferred = True
+        return self
 
     def _handle(self, signum, frame) -> None:
         if self.signum is not None:
             os._exit(128 + signum)
         self.signum = signum
+        if not self.deferred:
+            raise Interrupted(signum)
 
-    def agreed(self, rt: Runtime, collective: bool) -> int | None:
-        """The signal if this rank (or, with collective, any rank) got one."""
-        if not collective or rt.world_size == 1:
+    def agreed(self, rt: Runtime) -> int | None:
+        """The signal all ranks act on at this step: the largest any rank had one call earlier.
+
+        No host sync per step: each call starts an asynchronous MAX all-reduce of this rank's signal
+        and reads the one the previous call started, which finished long ago (on CUDA, waiting for it
+        only keeps the host from running more than about a step ahead of the GPU). Every rank reads the
+        same value at the same step, so all of them stop together, one step after the signal.
+        """
+        if rt.world_size == 1:
             return self.signum
-        got = torch.tensor([self.signum or 0], device=rt.device)
-        dist.all_reduce(got, op=dist.ReduceOp.MAX)
-        return int(got.item()) or None
+        agreed = None
+        if self._pending is not None:
+            waiter, result = self._pending
+            waiter.synchronize() if rt.is_cuda else waiter.wait()
+            agreed = int(result.item()) or None  # a host tensor: no device sync
+        flag = torch.full((1,), self.signum or 0, dtype=torch.int32, device=rt.device)
+        work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True)
+        if rt.is_cuda:
+            work.wait()  # the stream waits for the reduce, the host does not
+            host = torch.empty(1, dtype=torch.int32, pin_memory=True)
+            host.copy_(flag, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record()
+            self._pending = (done, host)
+        else:
+            self._pending = (work, flag)
+        return agreed
+
+
+SIGNALS = StopSignal()  # installed by train() on its first line
 
 
 # -----------------------------------------------------------------------------
@@ -1475,8 +1773,10 @@ def peak_memory_mib(rt: Runtime) -> tuple[float, str]:
     return rss, f"peak memory: {rss:.0f} MiB (rank 0 process max RSS; no device memory on CPU)"
 
 
-def new_run_id(args: Hyperparameters, rt: Runtime) -> str:
-    run_id = args.run_id or f"{time.strftime('%Y%m%d-%H%M%S')}_{args.preset}_{uuid.uuid4().hex[:6]}"
+def new_run_id(args: Hyperparameters, rt: Runtime, checkpoint: Path | None = None) -> str:
+    """--run_id; else a resumed run keeps its checkpoint's run folder (so checkpoint_keep caps its disk
+    use), and a fresh run gets time, preset and a random suffix."""
+    run_id = args.run_id or (checkpoint.parent.name if checkpoint else None) or f"{time.strftime('%Y%m%d-%H%M%S')}_{args.preset}_{uuid.uuid4().hex[:6]}"
     if rt.world_size > 1:
         shared = [run_id]
         dist.broadcast_object_list(shared, src=0)
@@ -1509,6 +1809,7 @@ def write_summary(path: Path, summary: dict, log: RunLog) -> None:
 
 
 def train(argv: list[str]) -> int:
+    SIGNALS.install()  # from the first line on: a signal during start-up ends the run in one line, not a traceback
     args = parse_args(argv, torch.cuda.is_available())
     rt = setup_runtime(args)
     if rt.is_master and args.preset == "cpu" and not torch.cuda.is_available() and \
@@ -1516,12 +1817,20 @@ def train(argv: list[str]) -> int:
         print("no GPU found: running the cpu preset (small model, bundled sample data); "
               "pass --preset=speedrun to force the reference recipe", flush=True)
     accum = gradient_accumulation(args, rt.world_size)
-    checkpoint = find_checkpoint(args) if args.resume else None
-    run_id = new_run_id(args, rt)
+    checkpoint, notes = choose_checkpoint(args, rt) if args.resume else (None, [])
+    run_id = new_run_id(args, rt, checkpoint)
     log = RunLog(Path(args.log_dir) / f"{run_id}.txt" if rt.is_master else None)
-    write_log_header(log, args, rt, accum, run_id)
+    lock_run_log(log, run_id)
     try:
+        write_log_header(log, args, rt, accum, run_id)
+        clean_stale_staging(args, run_id, log)
+        for note in notes:
+            log.write(note)
         return run_training(args, rt, log, accum, run_id, checkpoint)
+    except Interrupted as e:
+        log.write(f"stopped by signal {signal.Signals(e.signum).name} before the first training step; nothing "
+                  "was trained or saved")
+        raise
     except Exception as e:  # the log of a failed run says why it ended, then the error propagates
         log.write(f"error: {type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}",
                   echo=False)
@@ -1573,7 +1882,8 @@ def run_training(args: Hyperparameters, rt: Runtime, log: RunLog, accum: int, ru
 
     energy = EnergyMeter.open(rt)
     recompiles = RecompileWatch().start()
-    stop = StopSignal()
+    stop = SIGNALS.defer()
+    watch = FiniteWatch(rt.device, start_step, checkpoint)
     checkpointing = args.checkpoint_every > 0 or args.checkpoint_final or args.stop_after > 0
     profiler = make_profiler(args, rt, Path(args.log_dir) / f"{run_id}_rank{rt.rank}.trace.json") \
         if args.profile_steps > 0 else None
@@ -1600,19 +1910,19 @@ def run_training(args: Hyperparameters, rt: Runtime, log: RunLog, accum: int, ru
                       f"step_avg:{training_ms / max(step - start_step, 1):.2f}ms{extra}")
             if not math.isfinite(val_loss):
                 raise UsageError(f"validation loss is {val_loss} at step {step}; the run diverged "
-                                 "(lower the learning rates, or resume from an earlier checkpoint)")
+                                 f"(lower the learning rates and resume: {watch.hint()})")
             rt.synchronize()
             t0 = time.perf_counter()
             energy.start()
         if last:
             break
-        signum = stop.agreed(rt, collective=checkpointing)
+        signum = stop.agreed(rt)
         due = args.checkpoint_every > 0 and step > start_step and step % args.checkpoint_every == 0
         if due or signum or (args.stop_after and step == args.stop_after):
             training_ms += 1000 * (time.perf_counter() - t0)
             energy.stop()
             if checkpointing:
-                save_checkpoint(training_state(model, opt, stream, step, rt.is_master), args, rt, run_id, log)
+                save_finite_checkpoint(watch, model, opt, stream, step, args, rt, run_id, log)
             if signum:
                 log.write(f"stopped by signal {signal.Signals(signum).name} before step {step + 1}"
                           + ("; resume with --resume=latest" if checkpointing else " (no checkpoints enabled)"))
@@ -1623,6 +1933,7 @@ def run_training(args: Hyperparameters, rt: Runtime, log: RunLog, accum: int, ru
             t0 = time.perf_counter()
             energy.start()
         loss = train_step(step)
+        watch.observe(loss)
         for reason in recompiles.drain():
             log.write(f"warning: torch.compile recompiled after warm-up at step {step + 1}: {reason}")
         if profiler is not None:
@@ -1633,7 +1944,7 @@ def run_training(args: Hyperparameters, rt: Runtime, log: RunLog, accum: int, ru
             train_loss = mean_over_ranks(loss, rt)
             if not math.isfinite(train_loss):
                 raise UsageError(f"training loss is {train_loss} at step {step + 1}; stopping (lower the learning "
-                                 "rates, or resume from the last good checkpoint)")
+                                 f"rates and resume: {watch.hint()})")
             log.write(f"step:{step + 1}/{N} train_loss:{train_loss:.4f} train_time:{now_ms:.0f}ms {avg}")
         else:
             log.write(f"step:{step + 1}/{N} train_time:{now_ms:.0f}ms {avg}")
@@ -1646,7 +1957,7 @@ def run_training(args: Hyperparameters, rt: Runtime, log: RunLog, accum: int, ru
     log.write(energy_line(joules, ranks, energy.reason, training_ms / 1000, tokens))
     log.write(f"final: val_loss:{val_loss:.4f} steps:{N} tokens:{tokens} train_time:{training_ms:.0f}ms")
     if args.checkpoint_final:
-        save_checkpoint(training_state(model, opt, stream, N, rt.is_master), args, rt, run_id, log)
+        save_finite_checkpoint(watch, model, opt, stream, N, args, rt, run_id, log)
     if rt.is_master:
         kwh = joules / 3.6e6 if joules is not None else None
         summary = {"run_id": run_id, "git_commit": git_commit(), "preset": args.preset,
@@ -1680,6 +1991,10 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 2
+    except Interrupted as e:
+        print(f"error: stopped by signal {signal.Signals(e.signum).name} before the first training step; nothing "
+              "was trained or saved: run again (or resume from the last checkpoint)", file=sys.stderr, flush=True)
+        return 128 + e.signum
     except (RuntimeError, dist.DistError) as e:
         if not is_collective_failure(e):
             raise

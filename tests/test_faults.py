@@ -1,0 +1,265 @@
+"""Fault injection: the ten defects of issue 15, each reproduced as a user would meet it.
+
+Every test here failed on the trainer before the fix (a lost checkpoint, a silent load of a corrupt
+file, a traceback, a false success) and passes after it.
+"""
+import json
+import math
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from dataclasses import fields
+from pathlib import Path
+
+import pytest
+import torch
+
+import train_gpt as T
+from conftest import REPO, TINY, run_trainer, train_losses
+
+
+def one_line_error(result, code=2):
+    assert result.returncode == code, (result.returncode, result.stderr[-2000:])
+    assert "Traceback" not in result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, lines
+    return lines[0]
+
+
+def all_finite(ckpt: Path) -> bool:
+    state = torch.load(ckpt / "rank0.pt", weights_only=True)
+    return all(torch.isfinite(t).all() for t in state["model"].values())
+
+
+# 1. A diverging run must not rotate its good checkpoints away (log_train_loss=false hides NaN until val).
+NAN_FROM_STEP = textwrap.dedent('''
+    import sys
+    sys.path.insert(0, {repo!r})
+    import train_gpt as T
+    real = T.lr_multiplier
+    T.lr_multiplier = lambda step, *a: float("nan") if step >= 4 else real(step, *a)
+    sys.exit(T.main())
+''')
+
+
+def test_1_divergence_keeps_the_good_checkpoints(tmp_path):
+    driver = tmp_path / "nan_driver.py"
+    driver.write_text(NAN_FROM_STEP.format(repo=str(REPO)))
+    result = run_trainer(TINY + ["--num_iterations=8", "--val_every=0", "--log_train_loss=false", "--run_id=div",
+                                 "--checkpoint_every=1", "--checkpoint_keep=2"], tmp_path, driver=driver)
+    line = one_line_error(result)
+    kept = sorted((tmp_path / "div").glob("step_*"))
+    assert [c.name for c in kept] == ["step_000003", "step_000004"] and all(all_finite(c) for c in kept)
+    assert "non-finite between step 4 and step 5" in line and f"newest good checkpoint is {kept[-1]}" in line
+
+
+# 2. A checkpoint with flipped bytes is refused; --resume=latest falls back to the previous one.
+@pytest.fixture(scope="module")
+def two_checkpoints(tmp_path_factory):
+    log_dir = tmp_path_factory.mktemp("two")
+    result = run_trainer(TINY + ["--num_iterations=2", "--val_every=0", "--run_id=two", "--checkpoint_every=1",
+                                 "--checkpoint_final=true"], log_dir)
+    assert result.returncode == 0, result.stderr[-2000:]
+    return log_dir
+
+
+def copy_run(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+def flip_bytes(file: Path, count=64):
+    data = bytearray(file.read_bytes())
+    middle = len(data) // 2
+    data[middle:middle + count] = bytes(b ^ 0xFF for b in data[middle:middle + count])
+    file.write_bytes(bytes(data))
+
+
+def test_2_corrupt_checkpoint_is_refused_and_latest_falls_back(tmp_path, two_checkpoints):
+    log_dir = copy_run(two_checkpoints, tmp_path / "logs")
+    newest, previous = log_dir / "two" / "step_000002", log_dir / "two" / "step_000001"
+    os.utime(newest, (time.time() + 10, time.time() + 10))  # copytree does not keep the order of mtimes
+    flip_bytes(newest / "rank0.pt")
+    line = one_line_error(run_trainer(TINY + ["--num_iterations=3", f"--resume={newest}"], log_dir))
+    assert "does not match the sha256 in checkpoint.json" in line
+    result = run_trainer(TINY + ["--num_iterations=3", "--val_every=0", "--resume=latest"], log_dir)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert f"--resume=latest: falling back to {previous}" in result.stdout
+    assert f"resumed from {previous} at step 1" in result.stdout
+
+
+# 3. A full disk: one line, no partial file or staging folder left, the earlier checkpoint intact.
+@pytest.fixture
+def small_disk(tmp_path):
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    # About 1.6 checkpoints of the tiny model (142 MB each): the second one cannot fit.
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=230m", "tmpfs", str(mount)], capture_output=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here ({done.stderr.decode().strip()}): full-disk probe not run")
+    yield mount
+    subprocess.run(["umount", str(mount)])
+
+
+def test_3_full_disk_is_one_line_and_cleans_up(small_disk):
+    result = run_trainer(TINY + ["--num_iterations=4", "--val_every=0", "--run_id=full", "--checkpoint_every=1"],
+                         small_disk)
+    line = one_line_error(result)
+    assert "cannot write checkpoint" in line and "partial files removed" in line
+    assert f"previous checkpoint {small_disk / 'full' / 'step_000001'} is intact" in line
+    assert sorted(p.name for p in (small_disk / "full").iterdir()) == ["step_000001"]
+    assert (small_disk / "full" / "step_000001" / "checkpoint.json").is_file()
+    assert shutil.disk_usage(small_disk).free > 50 * 2**20  # the partial second file is gone
+
+
+def test_3_stale_staging_folders_are_removed_at_the_next_start(tmp_path):
+    stale = tmp_path / "killed" / "step_000003.tmp"
+    stale.mkdir(parents=True)
+    (stale / "rank0.pt.part").write_bytes(b"\0" * 4096)
+    result = run_trainer(TINY + ["--num_iterations=1", "--val_every=0", "--run_id=next"], tmp_path)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert not stale.exists() and f"removed stale checkpoint staging folder {stale}" in result.stdout
+
+
+# 4. Signals before the training loop: one line, a log entry, exit 128 + signum.
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_4_signal_during_warmup_is_one_line_and_logged(tmp_path, sig):
+    args = TINY + ["--num_iterations=2", "--val_every=0", "--run_id=early", "--warmup_steps=1000",
+                   f"--log_dir={tmp_path}"]
+    proc = subprocess.Popen([sys.executable, str(REPO / "train_gpt.py")] + args, cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    log = tmp_path / "early.txt"
+    deadline = time.time() + 120
+    while time.time() < deadline and not (log.exists() and "run early:" in log.read_text()):
+        time.sleep(0.2)
+    time.sleep(2)  # inside the warm-up steps
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=60)
+    result = subprocess.CompletedProcess(args, proc.returncode, "", err)
+    line = one_line_error(result, 128 + sig)
+    assert f"stopped by signal {sig.name} before the first training step" in line
+    assert log.read_text().splitlines()[-1].startswith(f"stopped by signal {sig.name}")
+
+
+# 5 and 6. Resume semantics and bad checkpoint state.
+def test_5_resume_at_the_end_is_refused(tmp_path, two_checkpoints):
+    line = one_line_error(run_trainer(TINY + ["--num_iterations=2", "--resume=latest"], two_checkpoints))
+    assert "at or past --num_iterations=2: nothing is left to train" in line
+
+
+def test_6_truncated_metadata_is_one_line(tmp_path, two_checkpoints):
+    log_dir = copy_run(two_checkpoints, tmp_path / "logs")
+    meta = log_dir / "two" / "step_000002" / "checkpoint.json"
+    meta.write_text(meta.read_text()[:100])
+    line = one_line_error(run_trainer(TINY + ["--num_iterations=3", f"--resume={meta.parent}"], log_dir))
+    assert "unreadable checkpoint.json (JSONDecodeError): it is truncated or corrupt" in line
+
+
+def test_6_optimizer_flags_are_checked_like_model_shape(two_checkpoints):
+    line = one_line_error(run_trainer(TINY + ["--num_iterations=3", "--muon=false",
+                                              f"--resume={two_checkpoints / 'two' / 'step_000002'}"], two_checkpoints))
+    assert "has muon=True but this run has muon=False; pass the same optimizer flags" in line
+
+
+# 7. Every flag validated at start-up: a table that must cover every field of Hyperparameters.
+BAD_VALUES = {  # field: (a value just inside the valid range, values outside it)
+    "preset": ("cpu", ["fast"]), "seed": ("0", ["-1"]), "train_files": ("x", [""]), "val_files": ("x", [""]),
+    "val_tokens": ("1024", ["0", "-1024"]), "train_cycle": ("true", ["maybe"]), "bos_align": ("false", ["2"]),
+    "batch_tokens": ("1024", ["0"]), "seq_len": ("128", ["0", "-128"]), "val_seq_len": ("128", ["0"]),
+    "num_iterations": ("1", ["0"]), "cooldown_frac": ("0", ["-0.1", "1.5", "nan"]),
+    "lr_final_frac": ("1", ["inf", "-1"]), "val_every": ("0", ["-1"]), "window_final_tokens": ("1", ["0"]),
+    "sliding_window": ("true", ["x"]), "vocab_size": ("1", ["0"]), "n_layer": ("2", ["0"]),
+    "model_dim": ("1", ["0"]), "n_head": ("1", ["0"]), "head_dim": ("4", ["0"]),
+    "attn_scale": ("0.01", ["0", "nan"]), "logit_softcap": ("0", ["-1", "inf"]), "value_embeds": ("1", ["x"]),
+    "unet_skips": ("0", ["x"]), "zero_init": ("on", ["x"]), "qk_norm": ("off", ["x"]),
+    "mlp_act": ("gelu", ["swish"]), "muon": ("yes", ["x"]), "muon_lr": ("0", ["nan", "-0.1", "inf"]),
+    "muon_momentum": ("0", ["1", "1.5"]), "muon_momentum_start": ("0.99", ["1"]),
+    "muon_momentum_warmup_steps": ("0", ["-1"]), "ns_steps": ("1", ["0"]), "adam_beta1": ("0", ["1", "-0.1"]),
+    "adam_beta2": ("0.999", ["1.5", "1"]), "adam_eps": ("1e-30", ["0", "nan"]), "head_lr": ("0", ["nan"]),
+    "embed_lr": ("0", ["-1"]), "scalar_lr": ("0", ["nan"]), "matrix_adam_lr": ("0", ["inf"]),
+    "weight_decay": ("0", ["-0.1", "nan"]), "dtype": ("fp32", ["fp16"]), "fp8_head": ("false", ["x"]),
+    "attention": ("sdpa", ["xformers"]), "compile": ("off", ["always"]), "warmup_steps": ("0", ["-1"]),
+    "coordinate_descent_tuning": ("false", ["maybe"]),
+    "collective_timeout_s": ("1", ["0", "-5"]), "log_dir": ("logs", [""]),
+    "run_id": ("a.b-c_1", ["../../x", "a/b", "..", ".hidden", "a\\b"]), "log_train_loss": ("true", ["x"]),
+    "profile_steps": ("0", ["-1"]), "checkpoint_every": ("0", ["-1"]), "checkpoint_final": ("true", ["x"]),
+    "checkpoint_keep": ("1", ["0"]), "resume": ("latest", []),  # any text; a bad folder fails at start-up
+    "stop_after": ("0", ["-1"]),
+}
+
+
+def test_7_the_validation_table_covers_every_field():
+    names = {f.name for f in fields(T.Hyperparameters)}
+    assert set(BAD_VALUES) == names and set(T.FLAG_RULES) == names
+
+
+@pytest.mark.parametrize("name", sorted(BAD_VALUES))
+def test_7_every_flag_is_validated(name):
+    good, bad = BAD_VALUES[name]
+    base = ["--preset=cpu"] + (["--val_tokens=1024", "--val_seq_len=128"] if name in ("val_tokens", "val_seq_len")
+                               else [])
+    T.parse_args(base + [f"--{name}={good}"], False)
+    for value in bad:
+        with pytest.raises(T.UsageError) as e:
+            T.parse_args(base + [f"--{name}={value}"], False)
+        message = str(e.value)
+        assert name in message and "\n" not in message  # names the flag
+        assert "valid" in message or "expected" in message  # says what is accepted
+
+
+@pytest.mark.parametrize("flag", ["--batch_tokens=0", "--seq_len=0", "--val_seq_len=0", "--model_dim=0",
+                                  "--val_tokens=0", "--muon_lr=nan", "--adam_beta2=1.5", "--collective_timeout_s=0",
+                                  "--n_head=0"])
+def test_7_bad_flags_are_refused_before_any_work(tmp_path, flag):
+    started = time.time()
+    line = one_line_error(run_trainer(TINY + [flag], tmp_path))
+    assert line.startswith(f"error: bad value") and f"for {flag.split('=')[0]};" in line
+    assert not list(tmp_path.glob("*.txt")) and time.time() - started < 60  # refused before the run log opens
+
+
+# 8. SIGTERM to one rank without checkpoints: every rank stops cleanly, no false collective failure.
+def test_8_sigterm_on_one_rank_without_checkpoints_stops_all(tmp_path):
+    args = TINY + ["--num_iterations=500", "--val_every=0", "--run_id=sig8", f"--log_dir={tmp_path}"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           str(REPO / "train_gpt.py")] + args
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    log = tmp_path / "sig8.txt"
+    deadline = time.time() + 120
+    while time.time() < deadline and not (log.exists() and "step:3/500" in log.read_text()):
+        time.sleep(0.2)
+    workers = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
+    assert len(workers) == 2, workers
+    os.kill(int(workers[-1]), signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    text = log.read_text()
+    assert "a collective failed" not in err  # rank 0 used to report a false crash (exit 3)
+    assert "stopped by signal SIGTERM" in text and "(no checkpoints enabled)" in text
+    last_step = max(train_losses(text))
+    assert last_step < 500 and not (tmp_path / "sig8").exists()
+
+
+# 9. Disk use is bounded: a resumed run writes into the same run folder, so checkpoint_keep caps the total.
+def test_9_resumes_reuse_the_run_folder(tmp_path):
+    first = run_trainer(TINY + ["--num_iterations=6", "--val_every=0", "--stop_after=2", "--checkpoint_keep=1"],
+                        tmp_path)
+    assert first.returncode == 0, first.stderr[-2000:]
+    for stop in (3, 4):
+        again = run_trainer(TINY + ["--num_iterations=6", "--val_every=0", f"--stop_after={stop}",
+                                    "--checkpoint_keep=1", "--resume=latest"], tmp_path)
+        assert again.returncode == 0, again.stderr[-2000:]
+    runs = [p for p in tmp_path.iterdir() if p.is_dir()]
+    assert len(runs) == 1 and [c.name for c in runs[0].iterdir()] == ["step_000004"]
+    assert sorted(train_losses((tmp_path / f"{runs[0].name}.txt").read_text())) == [1, 2, 3, 4]
+
+
+# 10. A run id is a plain name: nothing is written outside --log_dir.
+def test_10_run_id_with_path_separators_is_refused(tmp_path):
+    logs = tmp_path / "a" / "b"
+    line = one_line_error(run_trainer(TINY + ["--run_id=../../x"], logs))
+    assert "bad value '../../x' for --run_id" in line and "no path separators" in line
+    assert not (tmp_path / "x.txt").exists() and not list(tmp_path.rglob("*.txt"))
