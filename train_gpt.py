@@ -594,8 +594,9 @@ class Rotary(nn.Module):
         self.register_buffer("cos", theta.cos(), persistent=False)
         self.register_buffer("sin", theta.sin(), persistent=False)
 
-    def forward(self, x: Tensor) -> Tensor:  # (B, T, H, D)
-        cos, sin = self.cos[None, :x.size(1), None, :], self.sin[None, :x.size(1), None, :]
+    def forward(self, x: Tensor, offset: int = 0) -> Tensor:  # (B, T, H, D) at positions offset, offset + 1, ...
+        positions = slice(offset, offset + x.size(1))
+        cos, sin = self.cos[None, positions, None, :], self.sin[None, positions, None, :]
         x1, x2 = x.float().chunk(2, dim=-1)
         return torch.cat((x1 * cos + x2 * sin, x2 * cos - x1 * sin), dim=-1).type_as(x)
 
@@ -611,13 +612,13 @@ class CausalSelfAttention(nn.Module):
         self.rotary = Rotary(args.head_dim, max_seq_len)
         self.c_proj = CastedLinear(hdim, dim, zero_init=args.zero_init)
 
-    def forward(self, x: Tensor, ve: Tensor | None, mask, backend) -> Tensor:
+    def forward(self, x: Tensor, ve: Tensor | None, mask, backend, offset: int = 0) -> Tensor:
         B, T = x.shape[:2]
         qkv = F.linear(x, self.qkv_w.flatten(end_dim=1).type_as(x)).view(B, T, 3 * self.n_head, self.head_dim)
         q, k, v = qkv.chunk(3, dim=-2)
         if self.qk_norm:
             q, k = rms_norm(q), rms_norm(k)
-        q, k = self.rotary(q), self.rotary(k)
+        q, k = self.rotary(q, offset), self.rotary(k, offset)
         v = self.lambdas[0] * v if ve is None else self.lambdas[0] * v + self.lambdas[1] * ve.view_as(v)
         y = backend.attend(q, k, v, mask, self.scale)
         return self.c_proj(y.reshape(B, T, -1))
@@ -641,10 +642,10 @@ class Block(nn.Module):
         self.mlp = MLP(args)
         self.lambdas = nn.Parameter(torch.tensor([1.0, 0.0]))  # mix of the stream and the embedding x0
 
-    def forward(self, x: Tensor, x0: Tensor, ve: Tensor | None, mask, backend) -> Tensor:
+    def forward(self, x: Tensor, x0: Tensor, ve: Tensor | None, mask, backend, offset: int = 0) -> Tensor:
         x = self.lambdas[0] * x + self.lambdas[1] * x0
         if self.attn is not None:
-            x = x + self.attn(rms_norm(x), ve, mask, backend)
+            x = x + self.attn(rms_norm(x), ve, mask, backend, offset)
         return x + self.mlp(rms_norm(x))
 
 
@@ -678,8 +679,17 @@ class GPT(nn.Module):
             raise UsageError(f"sequence length {tokens.numel()} is not a multiple of the {BLOCK_SIZE}-token block")
         if not torch.compiler.is_compiling():
             check_model_inputs(tokens, targets, window_blocks, self.vocab_size)
+        return self.loss_fn(self.logits(tokens, window_blocks), targets, self.softcap)
+
+    def logits(self, tokens: Tensor, window_blocks: Tensor) -> Tensor:
+        """Head outputs (1, T, padded vocab) before the softcap: the forward pass without the loss."""
         masks = {True: self.backend.build_mask(tokens, window_blocks),
-                 False: self.backend.build_mask(tokens, torch.clamp_min(window_blocks // 2, 1))}
+                 False: self.backend.build_mask(tokens, short_window_blocks(window_blocks))}
+        x = self.trunk(tokens, [masks[long] for long in self.roles.long_window], self.backend)
+        return self.lm_head(rms_norm(x))
+
+    def trunk(self, tokens: Tensor, layer_masks: list, backend, offset: int = 0) -> Tensor:
+        """Embeddings through every block (value embeddings, x0 mixing, U-net skips): the residual stream."""
         ve = [emb(tokens)[None] for emb in self.value_embeds]
         x = x0 = rms_norm(self.embed(tokens)[None])
         skips = []
@@ -687,17 +697,91 @@ class GPT(nn.Module):
             if self.unet and i >= self.roles.n_encoder:
                 x = x + self.skip_weights[i - self.roles.n_encoder] * skips.pop()
             ve_i = self.roles.value_embed[i]
-            x = block(x, x0, None if ve_i is None else ve[ve_i], masks[self.roles.long_window[i]], self.backend)
+            x = block(x, x0, None if ve_i is None else ve[ve_i], layer_masks[i], backend, offset)
             if self.unet and i < self.roles.n_encoder:
                 skips.append(x)
-        return self.loss_fn(self.lm_head(rms_norm(x)), targets, self.softcap)
+        return x
+
+    @torch.no_grad()
+    def decode(self, tokens: Tensor, cache: "KVCache") -> Tensor:
+        """Head outputs (padded vocab) after the last of tokens (n,), which continue the cached sequence.
+
+        The same modules and weights as logits(); each attention layer reads its keys and values
+        from the cache, so a new token costs O(window) instead of a pass over the whole prefix.
+        """
+        start = cache.extend(tokens)
+        x = self.trunk(tokens, list(range(len(self.blocks))), cache, offset=start)
+        return self.lm_head(rms_norm(x[0, -1]))
+
+    @property
+    def context_len(self) -> int:
+        """Positions the rotary tables cover: the longest sequence the model can take."""
+        return next(block.attn.rotary.cos.size(0) for block in self.blocks if block.attn is not None)
 
 
-def softcapped_cross_entropy(logits: Tensor, targets: Tensor, softcap: float) -> Tensor:
-    """Mean cross-entropy of fp32 logits squashed into (0, softcap): softcap * sigmoid(z / (softcap / 4))."""
+def short_window_blocks(window_blocks: Tensor) -> Tensor:
+    """The short-window layers see half the long window, at least one block."""
+    return torch.clamp_min(window_blocks // 2, 1)
+
+
+class KVCache:
+    """Keys and values of every attention layer for one growing sequence: the attention backend of GPT.decode.
+
+    Stands in for SDPAAttention with the layer index as its "mask": new keys and values are stored at
+    their absolute positions, and the new queries attend to the cached ones that attention_allowed admits
+    (causal, same document, within the layer's long or short window), exactly as in the full forward.
+    """
+
+    def __init__(self, model: GPT, window_blocks: int, max_len: int | None = None):
+        self.max_len = model.context_len if max_len is None else max_len
+        if self.max_len > model.context_len:
+            raise UsageError(f"a cache of {self.max_len} positions exceeds the model's {model.context_len}-token "
+                             "context")
+        device = model.embed.weight.device
+        long = torch.tensor(window_blocks, dtype=torch.int64, device=device)
+        self.windows = [long if is_long else short_window_blocks(long) for is_long in model.roles.long_window]
+        self.window_sizes = [int(w) for w in self.windows]  # host copies: no device sync per token
+        self.keys: list[Tensor | None] = [None] * len(model.blocks)
+        self.values: list[Tensor | None] = [None] * len(model.blocks)
+        self.docs = torch.zeros(self.max_len, dtype=torch.int64, device=device)
+        self.start, self.length = 0, 0
+
+    def extend(self, tokens: Tensor) -> int:
+        """Appends tokens' document ids; returns the position of the first one."""
+        n = tokens.numel()
+        if self.length + n > self.max_len:
+            raise UsageError(f"sequence of {self.length + n} tokens exceeds the cache's {self.max_len} positions")
+        previous = self.docs[self.length - 1] if self.length else 0
+        self.docs[self.length:self.length + n] = previous + document_ids(tokens)
+        self.start, self.length = self.length, self.length + n
+        return self.start
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, layer: int, scale: float) -> Tensor:
+        if self.keys[layer] is None:
+            self.keys[layer] = k.new_zeros(1, self.max_len, *k.shape[2:])
+            self.values[layer] = v.new_zeros(1, self.max_len, *v.shape[2:])
+        self.keys[layer][:, self.start:self.length] = k
+        self.values[layer][:, self.start:self.length] = v
+        window = self.windows[layer]
+        first = max(0, (self.start // BLOCK_SIZE - self.window_sizes[layer] + 1) * BLOCK_SIZE)  # oldest key in any window
+        q_idx = torch.arange(self.start, self.length, device=q.device)[:, None]
+        kv_idx = torch.arange(first, self.length, device=q.device)[None, :]
+        mask = attention_allowed(self.docs, q_idx, kv_idx, window)
+        return SDPAAttention.attend(q, self.keys[layer][:, first:self.length], self.values[layer][:, first:self.length],
+                                    mask, scale)
+
+
+def apply_softcap(logits: Tensor, softcap: float) -> Tensor:
+    """fp32 logits squashed into (0, softcap): softcap * sigmoid(z / (softcap / 4)); 0 leaves them as they are."""
     logits = logits.float()
     if softcap > 0:
         logits = softcap * torch.sigmoid(logits / (softcap / 4))  # 30 * sigmoid(z / 7.5)
+    return logits
+
+
+def softcapped_cross_entropy(logits: Tensor, targets: Tensor, softcap: float) -> Tensor:
+    """Mean cross-entropy of the softcapped fp32 logits."""
+    logits = apply_softcap(logits, softcap)
     return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
 
 
