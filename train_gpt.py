@@ -114,6 +114,10 @@ class Hyperparameters:
     run_id: str = ""  # default: time, preset and a random suffix
     log_train_loss: bool = False  # a host sync per step; off for the timed speedrun
     profile_steps: int = 0  # record this many steps with torch.profiler (Chrome trace per rank)
+    # downstream checks (tools/): off by default, outside the timed region
+    hellaswag_every: int = 0  # HellaSwag acc/acc_norm every N steps and at the end, all ranks' shares summed
+    hellaswag_data: str = ""  # a local HellaSwag JSONL; empty: the pinned validation file, downloaded once
+    sample_at_end: int = 0  # log this many short samples from the final model
     # checkpoints
     checkpoint_every: int = 0  # 0: only with checkpoint_final
     checkpoint_final: bool = False
@@ -197,6 +201,9 @@ def parse_args(argv: list[str], cuda_available: bool) -> Hyperparameters:
         raise UsageError(f"--head_dim={args.head_dim} must be a positive multiple of 4 (half-truncated rotary)")
     if args.num_iterations < 1:
         raise UsageError(f"--num_iterations={args.num_iterations} must be at least 1")
+    for name in ("hellaswag_every", "sample_at_end"):
+        if getattr(args, name) < 0:
+            raise UsageError(f"--{name}={getattr(args, name)} must be 0 (off) or positive")
     return args
 
 
@@ -1418,6 +1425,46 @@ def evaluate(model, val_seqs: list[np.ndarray], window: Tensor, rt: Runtime) -> 
     return (stats[0] / stats[1]).item()
 
 
+def prepare_downstream(args: Hyperparameters, rt: Runtime, context_len: int) -> list | None:
+    """What --hellaswag_every and --sample_at_end need from tools/ (the tokenizer, the HellaSwag file),
+    loaded before training so that a missing piece stops the run at start-up. Returns this rank's share
+    of the tokenized HellaSwag examples."""
+    if args.sample_at_end > 0:
+        from tools.loading import gpt2_tokenizer  # tools/ import this file, so they are imported late
+        gpt2_tokenizer()
+    if args.hellaswag_every <= 0:
+        return None
+    from tools import hellaswag
+    items, _ = hellaswag.load_items(args.hellaswag_data, min(hellaswag.PACK_TOKENS, context_len))
+    return items[rt.rank::rt.world_size]
+
+
+@torch.no_grad()
+def hellaswag_accuracy(model: GPT, items: list, window: Tensor, rt: Runtime) -> tuple[float, float, int]:
+    """(acc, acc_norm, examples) over every rank's share, the counts summed like evaluate()'s losses."""
+    from tools import hellaswag
+    model.eval()
+    result = hellaswag.score(model, items, int(window))
+    counts = torch.tensor([result.correct, result.correct_norm, result.examples], dtype=torch.float64,
+                          device=rt.device)
+    if rt.world_size > 1:
+        dist.all_reduce(counts)
+    model.train()
+    correct, correct_norm, n = counts.tolist()
+    return correct / n, correct_norm / n, int(n)
+
+
+def log_samples(model: GPT, args: Hyperparameters, window: Tensor, log: RunLog) -> list[str]:
+    """--sample_at_end: short samples from the final model, one JSON-quoted line each."""
+    from tools.sample import end_of_run_samples
+    model.eval()
+    texts = end_of_run_samples(model, args.sample_at_end, int(window), args.seed)
+    model.train()
+    for i, text in enumerate(texts):
+        log.write(f"sample {i + 1}/{len(texts)}: {json.dumps(text)}")
+    return texts
+
+
 def mean_over_ranks(value: Tensor, rt: Runtime) -> float:
     value = value.detach().double()
     if rt.world_size > 1:
@@ -1505,6 +1552,7 @@ def run_training(args: Hyperparameters, rt: Runtime, log: RunLog, accum: int, ru
     stream = TokenStream(train_files, args.vocab_size, cycle=args.train_cycle)
     loader = DistributedTokenLoader(stream, args.seq_len, rt.rank, rt.world_size, accum, args.bos_align, rt.device)
     window_of = lambda step: torch.tensor(window_blocks(step, args), dtype=torch.int64).to(rt.device)
+    hellaswag_items = prepare_downstream(args, rt, model.context_len)
 
     def train_step(step: int) -> Tensor:
         window = window_of(step)
@@ -1540,6 +1588,7 @@ def run_training(args: Hyperparameters, rt: Runtime, log: RunLog, accum: int, ru
     if profiler is not None:
         profiler.start()
     val_curve, val_loss, tokens = [], float("nan"), 0
+    hellaswag_curve = []
     training_ms = 0.0
     rt.synchronize()
     t0 = time.perf_counter()
@@ -1562,6 +1611,17 @@ def run_training(args: Hyperparameters, rt: Runtime, log: RunLog, accum: int, ru
                 raise UsageError(f"validation loss is {val_loss} at step {step}; the run diverged "
                                  "(lower the learning rates, or resume from an earlier checkpoint)")
             rt.synchronize()
+            t0 = time.perf_counter()
+            energy.start()
+        if hellaswag_items is not None and (last or step % args.hellaswag_every == 0):
+            rt.synchronize()
+            training_ms += 1000 * (time.perf_counter() - t0)
+            energy.stop()
+            started = time.perf_counter()
+            acc, acc_norm, n = hellaswag_accuracy(model, hellaswag_items, window_of(step), rt)
+            hellaswag_curve.append([step, acc, acc_norm, n])
+            log.write(f"step:{step}/{N} hellaswag_acc:{acc:.4f} hellaswag_acc_norm:{acc_norm:.4f} "
+                      f"hellaswag_examples:{n} hellaswag_time:{1000 * (time.perf_counter() - started):.0f}ms")
             t0 = time.perf_counter()
             energy.start()
         if last:
@@ -1603,6 +1663,7 @@ def run_training(args: Hyperparameters, rt: Runtime, log: RunLog, accum: int, ru
     log.write(memory_line)
     log.write(energy_line(joules, ranks, energy.reason, training_ms / 1000, tokens))
     log.write(f"final: val_loss:{val_loss:.4f} steps:{N} tokens:{tokens} train_time:{training_ms:.0f}ms")
+    samples = log_samples(model, args, window_of(N), log) if args.sample_at_end > 0 and rt.is_master else []
     if args.checkpoint_final:
         save_checkpoint(training_state(model, opt, stream, N, rt.is_master), args, rt, run_id, log)
     if rt.is_master:
@@ -1613,6 +1674,10 @@ def run_training(args: Hyperparameters, rt: Runtime, log: RunLog, accum: int, ru
                    "peak_memory_mib": peak_mib, "energy_j": joules, "energy_kwh": kwh,
                    "tokens_per_kwh": tokens / kwh if kwh else None, "val_curve": val_curve,
                    "hyperparameters": dataclasses.asdict(args), "status": "finished"}
+        if args.hellaswag_every > 0:
+            summary["hellaswag_curve"] = hellaswag_curve  # [step, acc, acc_norm, examples]
+        if args.sample_at_end > 0:
+            summary["samples"] = samples
         write_summary(Path(args.log_dir) / f"{run_id}.json", summary, log)
     return 0
 
@@ -1646,4 +1711,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    sys.modules.setdefault("train_gpt", sys.modules[__name__])  # tools/ imported by the trainer share this module
     sys.exit(main())
