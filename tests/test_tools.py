@@ -67,9 +67,19 @@ def one_error_line(result):
 def checkpoint(tmp_path_factory):
     """A real tiny run's final checkpoint (4 steps on the bundled sample)."""
     logs = tmp_path_factory.mktemp("run")
-    result = run_trainer(TINY + ["--run_id=ckpt", "--checkpoint_final=true"], logs)
+    result = run_trainer(TINY + ["--run_id=ckpt", "--checkpoint_final=true", "--checkpoint_every=2"], logs)
     assert result.returncode == 0, result.stderr[-2000:]
     return logs / "ckpt" / "step_000004"
+
+
+def test_a_mid_run_checkpoint_runs_with_its_step_s_window(checkpoint):
+    middle = loading.load_model(checkpoint.parent / "step_000002", "cpu")
+    assert (middle.step, middle.window_blocks) == (2, 4)  # 1024 final tokens * 2/4 steps = 4 blocks
+    assert loading.load_model(checkpoint.parent / "step_000002", "cpu", window="final").window_blocks == 8
+    final = loading.load_model(checkpoint, "cpu")
+    assert (final.step, final.window_blocks) == (4, 8)
+    a, b = middle.model.state_dict(), final.model.state_dict()
+    assert not all(torch.equal(a[k], b[k]) for k in a)  # two different points of the run
 
 
 # ----------------------------------------------------------------------------- KV cache
@@ -321,6 +331,11 @@ def test_export_round_trip_is_bit_identical(checkpoint, tmp_path):
     assert result.returncode == 0, result.stderr
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["config.json", "model.safetensors"]
     original = loading.load_model(checkpoint, "cpu")
+    from safetensors.torch import load_file
+    stored = load_file(str(tmp_path / "out" / "model.safetensors"))
+    trained = torch.load(checkpoint / "rank0.pt", weights_only=True)["model"]
+    assert stored.keys() == trained.keys() and all(stored[k].dtype == trained[k].dtype for k in trained)
+    assert {t.dtype for t in stored.values()} == {torch.float32, torch.bfloat16}  # embeddings trained in bf16
     shutil.copytree(tmp_path / "out", tmp_path / "alone")  # only the two files, away from the checkpoint
     rebuilt = load_exported(tmp_path / "alone", "cpu")
     a, b = original.model.state_dict(), rebuilt.model.state_dict()
