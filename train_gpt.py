@@ -119,6 +119,10 @@ class Hyperparameters:
     run_id: str = ""  # default: time, preset and a random suffix
     log_train_loss: bool = False  # a host sync per step; off for the timed speedrun
     profile_steps: int = 0  # record this many steps with torch.profiler (Chrome trace per rank)
+    # downstream checks (tools/): off by default, outside the timed region
+    hellaswag_every: int = 0  # HellaSwag acc/acc_norm every N steps and at the end, all ranks' shares summed
+    hellaswag_data: str = ""  # a local HellaSwag JSONL; empty: the pinned validation file, downloaded once
+    sample_at_end: int = 0  # log this many short samples from the final model
     # checkpoints
     checkpoint_every: int = 0  # 0: only with checkpoint_final
     checkpoint_final: bool = False
@@ -247,6 +251,7 @@ FLAG_RULES: dict[str, Rule] = {
     "collective_timeout_s": integer(1), "log_dir": NON_EMPTY, "run_id": PLAIN_NAME, "log_train_loss": ANY_BOOL,
     "profile_steps": integer(0), "checkpoint_every": integer(0), "checkpoint_final": ANY_BOOL,
     "checkpoint_keep": integer(1), "resume": ANY_TEXT, "stop_after": integer(0),
+    "hellaswag_every": integer(0), "hellaswag_data": ANY_TEXT, "sample_at_end": integer(0),
 }
 
 
@@ -692,8 +697,9 @@ class Rotary(nn.Module):
         self.register_buffer("cos", theta.cos(), persistent=False)
         self.register_buffer("sin", theta.sin(), persistent=False)
 
-    def forward(self, x: Tensor) -> Tensor:  # (B, T, H, D)
-        cos, sin = self.cos[None, :x.size(1), None, :], self.sin[None, :x.size(1), None, :]
+    def forward(self, x: Tensor, offset: int = 0) -> Tensor:  # (B, T, H, D) at positions offset, offset + 1, ...
+        positions = slice(offset, offset + x.size(1))
+        cos, sin = self.cos[None, positions, None, :], self.sin[None, positions, None, :]
         x1, x2 = x.float().chunk(2, dim=-1)
         return torch.cat((x1 * cos + x2 * sin, x2 * cos - x1 * sin), dim=-1).type_as(x)
 
@@ -709,13 +715,13 @@ class CausalSelfAttention(nn.Module):
         self.rotary = Rotary(args.head_dim, max_seq_len)
         self.c_proj = CastedLinear(hdim, dim, zero_init=args.zero_init)
 
-    def forward(self, x: Tensor, ve: Tensor | None, mask, backend) -> Tensor:
+    def forward(self, x: Tensor, ve: Tensor | None, mask, backend, offset: int = 0) -> Tensor:
         B, T = x.shape[:2]
         qkv = F.linear(x, self.qkv_w.flatten(end_dim=1).type_as(x)).view(B, T, 3 * self.n_head, self.head_dim)
         q, k, v = qkv.chunk(3, dim=-2)
         if self.qk_norm:
             q, k = rms_norm(q), rms_norm(k)
-        q, k = self.rotary(q), self.rotary(k)
+        q, k = self.rotary(q, offset), self.rotary(k, offset)
         v = self.lambdas[0] * v if ve is None else self.lambdas[0] * v + self.lambdas[1] * ve.view_as(v)
         y = backend.attend(q, k, v, mask, self.scale)
         return self.c_proj(y.reshape(B, T, -1))
@@ -739,10 +745,10 @@ class Block(nn.Module):
         self.mlp = MLP(args)
         self.lambdas = nn.Parameter(torch.tensor([1.0, 0.0]))  # mix of the stream and the embedding x0
 
-    def forward(self, x: Tensor, x0: Tensor, ve: Tensor | None, mask, backend) -> Tensor:
+    def forward(self, x: Tensor, x0: Tensor, ve: Tensor | None, mask, backend, offset: int = 0) -> Tensor:
         x = self.lambdas[0] * x + self.lambdas[1] * x0
         if self.attn is not None:
-            x = x + self.attn(rms_norm(x), ve, mask, backend)
+            x = x + self.attn(rms_norm(x), ve, mask, backend, offset)
         return x + self.mlp(rms_norm(x))
 
 
@@ -776,8 +782,17 @@ class GPT(nn.Module):
             raise UsageError(f"sequence length {tokens.numel()} is not a multiple of the {BLOCK_SIZE}-token block")
         if not torch.compiler.is_compiling():
             check_model_inputs(tokens, targets, window_blocks, self.vocab_size)
+        return self.loss_fn(self.logits(tokens, window_blocks), targets, self.softcap)
+
+    def logits(self, tokens: Tensor, window_blocks: Tensor) -> Tensor:
+        """Head outputs (1, T, padded vocab) before the softcap: the forward pass without the loss."""
         masks = {True: self.backend.build_mask(tokens, window_blocks),
-                 False: self.backend.build_mask(tokens, torch.clamp_min(window_blocks // 2, 1))}
+                 False: self.backend.build_mask(tokens, short_window_blocks(window_blocks))}
+        x = self.trunk(tokens, [masks[long] for long in self.roles.long_window], self.backend)
+        return self.lm_head(rms_norm(x))
+
+    def trunk(self, tokens: Tensor, layer_masks: list, backend, offset: int = 0) -> Tensor:
+        """Embeddings through every block (value embeddings, x0 mixing, U-net skips): the residual stream."""
         ve = [emb(tokens)[None] for emb in self.value_embeds]
         x = x0 = rms_norm(self.embed(tokens)[None])
         skips = []
@@ -785,17 +800,91 @@ class GPT(nn.Module):
             if self.unet and i >= self.roles.n_encoder:
                 x = x + self.skip_weights[i - self.roles.n_encoder] * skips.pop()
             ve_i = self.roles.value_embed[i]
-            x = block(x, x0, None if ve_i is None else ve[ve_i], masks[self.roles.long_window[i]], self.backend)
+            x = block(x, x0, None if ve_i is None else ve[ve_i], layer_masks[i], backend, offset)
             if self.unet and i < self.roles.n_encoder:
                 skips.append(x)
-        return self.loss_fn(self.lm_head(rms_norm(x)), targets, self.softcap)
+        return x
+
+    @torch.no_grad()
+    def decode(self, tokens: Tensor, cache: "KVCache") -> Tensor:
+        """Head outputs (padded vocab) after the last of tokens (n,), which continue the cached sequence.
+
+        The same modules and weights as logits(); each attention layer reads its keys and values
+        from the cache, so a new token costs O(window) instead of a pass over the whole prefix.
+        """
+        start = cache.extend(tokens)
+        x = self.trunk(tokens, list(range(len(self.blocks))), cache, offset=start)
+        return self.lm_head(rms_norm(x[0, -1]))
+
+    @property
+    def context_len(self) -> int:
+        """Positions the rotary tables cover: the longest sequence the model can take."""
+        return next(block.attn.rotary.cos.size(0) for block in self.blocks if block.attn is not None)
 
 
-def softcapped_cross_entropy(logits: Tensor, targets: Tensor, softcap: float) -> Tensor:
-    """Mean cross-entropy of fp32 logits squashed into (0, softcap): softcap * sigmoid(z / (softcap / 4))."""
+def short_window_blocks(window_blocks: Tensor) -> Tensor:
+    """The short-window layers see half the long window, at least one block."""
+    return torch.clamp_min(window_blocks // 2, 1)
+
+
+class KVCache:
+    """Keys and values of every attention layer for one growing sequence: the attention backend of GPT.decode.
+
+    Stands in for SDPAAttention with the layer index as its "mask": new keys and values are stored at
+    their absolute positions, and the new queries attend to the cached ones that attention_allowed admits
+    (causal, same document, within the layer's long or short window), exactly as in the full forward.
+    """
+
+    def __init__(self, model: GPT, window_blocks: int, max_len: int | None = None):
+        self.max_len = model.context_len if max_len is None else max_len
+        if self.max_len > model.context_len:
+            raise UsageError(f"a cache of {self.max_len} positions exceeds the model's {model.context_len}-token "
+                             "context")
+        device = model.embed.weight.device
+        long = torch.tensor(window_blocks, dtype=torch.int64, device=device)
+        self.windows = [long if is_long else short_window_blocks(long) for is_long in model.roles.long_window]
+        self.window_sizes = [int(w) for w in self.windows]  # host copies: no device sync per token
+        self.keys: list[Tensor | None] = [None] * len(model.blocks)
+        self.values: list[Tensor | None] = [None] * len(model.blocks)
+        self.docs = torch.zeros(self.max_len, dtype=torch.int64, device=device)
+        self.start, self.length = 0, 0
+
+    def extend(self, tokens: Tensor) -> int:
+        """Appends tokens' document ids; returns the position of the first one."""
+        n = tokens.numel()
+        if self.length + n > self.max_len:
+            raise UsageError(f"sequence of {self.length + n} tokens exceeds the cache's {self.max_len} positions")
+        previous = self.docs[self.length - 1] if self.length else 0
+        self.docs[self.length:self.length + n] = previous + document_ids(tokens)
+        self.start, self.length = self.length, self.length + n
+        return self.start
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, layer: int, scale: float) -> Tensor:
+        if self.keys[layer] is None:
+            self.keys[layer] = k.new_zeros(1, self.max_len, *k.shape[2:])
+            self.values[layer] = v.new_zeros(1, self.max_len, *v.shape[2:])
+        self.keys[layer][:, self.start:self.length] = k
+        self.values[layer][:, self.start:self.length] = v
+        window = self.windows[layer]
+        first = max(0, (self.start // BLOCK_SIZE - self.window_sizes[layer] + 1) * BLOCK_SIZE)  # oldest key in any window
+        q_idx = torch.arange(self.start, self.length, device=q.device)[:, None]
+        kv_idx = torch.arange(first, self.length, device=q.device)[None, :]
+        mask = attention_allowed(self.docs, q_idx, kv_idx, window)
+        return SDPAAttention.attend(q, self.keys[layer][:, first:self.length], self.values[layer][:, first:self.length],
+                                    mask, scale)
+
+
+def apply_softcap(logits: Tensor, softcap: float) -> Tensor:
+    """fp32 logits squashed into (0, softcap): softcap * sigmoid(z / (softcap / 4)); 0 leaves them as they are."""
     logits = logits.float()
     if softcap > 0:
         logits = softcap * torch.sigmoid(logits / (softcap / 4))  # 30 * sigmoid(z / 7.5)
+    return logits
+
+
+def softcapped_cross_entropy(logits: Tensor, targets: Tensor, softcap: float) -> Tensor:
+    """Mean cross-entropy of the softcapped fp32 logits."""
+    logits = apply_softcap(logits, softcap)
     return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
 
 
@@ -1755,6 +1844,46 @@ def evaluate(model, val_seqs: list[np.ndarray], window: Tensor, rt: Runtime) -> 
     return (stats[0] / stats[1]).item()
 
 
+def prepare_downstream(args: Hyperparameters, rt: Runtime, context_len: int) -> list | None:
+    """What --hellaswag_every and --sample_at_end need from tools/ (the tokenizer, the HellaSwag file),
+    loaded before training so that a missing piece stops the run at start-up. Returns this rank's share
+    of the tokenized HellaSwag examples."""
+    if args.sample_at_end > 0:
+        from tools.loading import gpt2_tokenizer  # tools/ import this file, so they are imported late
+        gpt2_tokenizer()
+    if args.hellaswag_every <= 0:
+        return None
+    from tools import hellaswag
+    items, _ = hellaswag.load_items(args.hellaswag_data, min(hellaswag.PACK_TOKENS, context_len))
+    return items[rt.rank::rt.world_size]
+
+
+@torch.no_grad()
+def hellaswag_accuracy(model: GPT, items: list, window: Tensor, rt: Runtime) -> tuple[float, float, int]:
+    """(acc, acc_norm, examples) over every rank's share, the counts summed like evaluate()'s losses."""
+    from tools import hellaswag
+    model.eval()
+    result = hellaswag.score(model, items, int(window))
+    counts = torch.tensor([result.correct, result.correct_norm, result.examples], dtype=torch.float64,
+                          device=rt.device)
+    if rt.world_size > 1:
+        dist.all_reduce(counts)
+    model.train()
+    correct, correct_norm, n = counts.tolist()
+    return correct / n, correct_norm / n, int(n)
+
+
+def log_samples(model: GPT, args: Hyperparameters, window: Tensor, log: RunLog) -> list[str]:
+    """--sample_at_end: short samples from the final model, one JSON-quoted line each."""
+    from tools.sample import end_of_run_samples
+    model.eval()
+    texts = end_of_run_samples(model, args.sample_at_end, int(window), args.seed)
+    model.train()
+    for i, text in enumerate(texts):
+        log.write(f"sample {i + 1}/{len(texts)}: {json.dumps(text)}")
+    return texts
+
+
 def mean_over_ranks(value: Tensor, rt: Runtime) -> float:
     value = value.detach().double()
     if rt.world_size > 1:
@@ -1853,6 +1982,7 @@ def run_training(args: Hyperparameters, rt: Runtime, log: RunLog, accum: int, ru
     stream = TokenStream(train_files, args.vocab_size, cycle=args.train_cycle)
     loader = DistributedTokenLoader(stream, args.seq_len, rt.rank, rt.world_size, accum, args.bos_align, rt.device)
     window_of = WindowTensors(args, rt.device)
+    hellaswag_items = prepare_downstream(args, rt, model.context_len)
 
     def train_step(step: int) -> Tensor:
         window = window_of(step)
@@ -1890,6 +2020,7 @@ def run_training(args: Hyperparameters, rt: Runtime, log: RunLog, accum: int, ru
     if profiler is not None:
         profiler.start()
     val_curve, val_loss, tokens = [], float("nan"), 0
+    hellaswag_curve = []
     training_ms = 0.0
     rt.synchronize()
     t0 = time.perf_counter()
@@ -1912,6 +2043,17 @@ def run_training(args: Hyperparameters, rt: Runtime, log: RunLog, accum: int, ru
                 raise UsageError(f"validation loss is {val_loss} at step {step}; the run diverged "
                                  f"(lower the learning rates and resume: {watch.hint()})")
             rt.synchronize()
+            t0 = time.perf_counter()
+            energy.start()
+        if hellaswag_items is not None and (last or step % args.hellaswag_every == 0):
+            rt.synchronize()
+            training_ms += 1000 * (time.perf_counter() - t0)
+            energy.stop()
+            started = time.perf_counter()
+            acc, acc_norm, n = hellaswag_accuracy(model, hellaswag_items, window_of(step), rt)
+            hellaswag_curve.append([step, acc, acc_norm, n])
+            log.write(f"step:{step}/{N} hellaswag_acc:{acc:.4f} hellaswag_acc_norm:{acc_norm:.4f} "
+                      f"hellaswag_examples:{n} hellaswag_time:{1000 * (time.perf_counter() - started):.0f}ms")
             t0 = time.perf_counter()
             energy.start()
         if last:
@@ -1956,6 +2098,7 @@ def run_training(args: Hyperparameters, rt: Runtime, log: RunLog, accum: int, ru
     log.write(memory_line)
     log.write(energy_line(joules, ranks, energy.reason, training_ms / 1000, tokens))
     log.write(f"final: val_loss:{val_loss:.4f} steps:{N} tokens:{tokens} train_time:{training_ms:.0f}ms")
+    samples = log_samples(model, args, window_of(N), log) if args.sample_at_end > 0 and rt.is_master else []
     if args.checkpoint_final:
         save_finite_checkpoint(watch, model, opt, stream, N, args, rt, run_id, log)
     if rt.is_master:
@@ -1971,6 +2114,10 @@ def run_training(args: Hyperparameters, rt: Runtime, log: RunLog, accum: int, ru
                                "dtype": str(rt.dtype).removeprefix("torch."), "device": str(rt.device),
                                "grad_accum_steps": accum},
                    "hyperparameters": dataclasses.asdict(args), "status": "finished"}
+        if args.hellaswag_every > 0:
+            summary["hellaswag_curve"] = hellaswag_curve  # [step, acc, acc_norm, examples]
+        if args.sample_at_end > 0:
+            summary["samples"] = samples
         write_summary(Path(args.log_dir) / f"{run_id}.json", summary, log)
     return 0
 
@@ -2008,4 +2155,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    sys.modules.setdefault("train_gpt", sys.modules[__name__])  # tools/ imported by the trainer share this module
     sys.exit(main())

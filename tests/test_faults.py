@@ -187,6 +187,7 @@ BAD_VALUES = {  # field: (a value just inside the valid range, values outside it
     "collective_timeout_s": ("1", ["0", "-5"]), "log_dir": ("logs", [""]),
     "run_id": ("a.b-c_1", ["../../x", "a/b", "..", ".hidden", "a\\b"]), "log_train_loss": ("true", ["x"]),
     "profile_steps": ("0", ["-1"]), "checkpoint_every": ("0", ["-1"]), "checkpoint_final": ("true", ["x"]),
+    "hellaswag_every": ("0", ["-1"]), "hellaswag_data": ("", []), "sample_at_end": ("0", ["-2"]),
     "checkpoint_keep": ("1", ["0"]), "resume": ("latest", []),  # any text; a bad folder fails at start-up
     "stop_after": ("0", ["-1"]),
 }

@@ -1,0 +1,414 @@
+"""tools/: KV-cache decoding against the full forward, HellaSwag scoring and its pinned file, export round
+trip, refusals of bad input, and the trainer's --sample_at_end / --hellaswag_every."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+import urllib.error
+from pathlib import Path
+
+import pytest
+import torch
+
+import train_gpt as T
+from conftest import REPO, TINY, run_trainer
+from tools import hellaswag as H
+from tools import loading, sample
+from tools.export import export, load_exported
+
+EOT = T.EOT_TOKEN
+TIKTOKEN_CACHE = REPO.parent / "shared" / "data" / "gpt2" / "tiktoken_cache"
+FIXTURE = REPO / "tests" / "fixtures" / "hellaswag" / "hellaswag_fixture.jsonl"
+needs_tokenizer = pytest.mark.skipif(not TIKTOKEN_CACHE.is_dir(),
+                                     reason=f"tiktoken's gpt2 cache not found at {TIKTOKEN_CACHE}")
+TOKENIZER_ENV = {"TIKTOKEN_CACHE_DIR": str(TIKTOKEN_CACHE)}
+
+
+def model_args(*extra):
+    return T.parse_args(["--preset=cpu", "--n_layer=4", "--model_dim=64", "--n_head=2", "--head_dim=32",
+                         "--seq_len=512", "--val_seq_len=512", "--val_tokens=512", *extra], False)
+
+
+def random_model(dtype="fp32", seed=0):
+    """Random weights everywhere (no zero-initialised projections): every path through the model matters."""
+    args = model_args("--zero_init=false", f"--dtype={dtype}")
+    rt = T.Runtime(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"),
+                   dtype=torch.float32 if dtype == "fp32" else torch.bfloat16, attention="sdpa", fp8_head=False,
+                   compile="off")
+    torch.manual_seed(seed)
+    model = T.build_model(args, rt).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lambdas" in name or name == "skip_weights":
+                p.add_(torch.randn_like(p) * 0.3)  # no mixing weight at a special value (0 or 1)
+    return model
+
+
+def prompt_with_documents(n, eot_at, seed=1):
+    tokens = torch.randint(0, EOT, (n,), generator=torch.Generator().manual_seed(seed))
+    tokens[list(eot_at)] = EOT
+    return tokens.tolist()
+
+
+def tool(name, *args, env=None):
+    return subprocess.run([sys.executable, str(REPO / "tools" / f"{name}.py"), *map(str, args)], cwd=REPO,
+                          capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+
+
+def one_error_line(result):
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """A real tiny run's final checkpoint (4 steps on the bundled sample)."""
+    logs = tmp_path_factory.mktemp("run")
+    result = run_trainer(TINY + ["--run_id=ckpt", "--checkpoint_final=true", "--checkpoint_every=2"], logs)
+    assert result.returncode == 0, result.stderr[-2000:]
+    return logs / "ckpt" / "step_000004"
+
+
+def test_a_mid_run_checkpoint_runs_with_its_step_s_window(checkpoint):
+    middle = loading.load_model(checkpoint.parent / "step_000002", "cpu")
+    assert (middle.step, middle.window_blocks) == (2, 4)  # 1024 final tokens * 2/4 steps = 4 blocks
+    assert loading.load_model(checkpoint.parent / "step_000002", "cpu", window="final").window_blocks == 8
+    final = loading.load_model(checkpoint, "cpu")
+    assert (final.step, final.window_blocks) == (4, 8)
+    a, b = middle.model.state_dict(), final.model.state_dict()
+    assert not all(torch.equal(a[k], b[k]) for k in a)  # two different points of the run
+
+
+# ----------------------------------------------------------------------------- KV cache
+
+
+@pytest.mark.parametrize("window", [1, 2, 3])
+def test_cached_decoding_gives_the_full_forward_logits(window):
+    """Prefill plus one token at a time, across documents and beyond both windows, against logits()."""
+    model = random_model()
+    tokens = torch.tensor(prompt_with_documents(512, [0, 150, 151, 300]))
+    with torch.no_grad():
+        full = model.logits(tokens, torch.tensor(window))[0]
+    cache = T.KVCache(model, window)
+    got = [model.decode(tokens[:100], cache)]
+    got += [model.decode(tokens[i:i + 1], cache) for i in range(100, 512)]
+    expected = torch.cat([full[99:100], full[100:512]])
+    torch.testing.assert_close(torch.stack(got), expected, atol=2e-5, rtol=1e-5)
+
+
+def test_greedy_with_the_cache_matches_the_naive_forward():
+    """A prompt longer than the long window, with a document boundary (EOT) inside it."""
+    model = random_model()
+    prompt = prompt_with_documents(330, [0, 200])
+    with_cache = sample.generate(model, prompt, 60, window_blocks=2, temperature=0)
+    naive = sample.generate(model, prompt, 60, window_blocks=2, temperature=0, kv_cache=False)
+    assert len(with_cache) == 60 and with_cache == naive
+
+
+def test_greedy_in_bf16_matches_the_naive_forward():
+    model = random_model("bf16")
+    prompt = prompt_with_documents(140, [0, 70])
+    assert sample.generate(model, prompt, 20, 1, temperature=0) == \
+        sample.generate(model, prompt, 20, 1, temperature=0, kv_cache=False)
+
+
+def test_a_new_token_attends_only_to_its_window(monkeypatch):
+    """O(window) per token: at position t the cache hands attention at most the window's blocks."""
+    model = random_model()
+    seen = []
+    attend = T.SDPAAttention.attend
+    monkeypatch.setattr(T.SDPAAttention, "attend", staticmethod(
+        lambda q, k, v, mask, scale: seen.append(k.shape[1]) or attend(q, k, v, mask, scale)))
+    cache = T.KVCache(model, 2)
+    tokens = torch.tensor(prompt_with_documents(500, [0]))
+    model.decode(tokens[:1], cache)
+    seen.clear()
+    for i in range(1, 500):
+        model.decode(tokens[i:i + 1], cache)
+    assert max(seen) <= 2 * T.BLOCK_SIZE and min(seen) >= 1
+
+
+def test_sampling_is_seeded_and_respects_top_k():
+    model = random_model()
+    prompt = prompt_with_documents(10, [0])
+    draw = lambda seed, top_k=0: sample.generate(model, prompt, 30, 4, 1.0, top_k, torch.Generator().manual_seed(seed))
+    assert draw(3) == draw(3) and draw(3) != draw(4)
+    logits = torch.randn(T.next_multiple(EOT + 1, 128))
+    top = set(torch.topk(T.apply_softcap(logits[:EOT + 1], 30.0), 5).indices.tolist())
+    gen = torch.Generator().manual_seed(0)
+    assert {sample.next_token(logits, EOT + 1, 30.0, 1.0, 5, gen) for _ in range(200)} <= top
+    logits[EOT + 1] = 1e4  # a padding row of the head is never drawn
+    assert sample.next_token(logits, EOT + 1, 30.0, 0, 0, None) != EOT + 1
+
+
+def test_generation_stops_at_the_end_of_the_document():
+    model = random_model()
+    with torch.no_grad():
+        model.lm_head.weight[EOT] = 50.0 * model.lm_head.weight[EOT].sign()  # make EOT the likeliest next token
+    assert sample.generate(model, [EOT, 5, 6], 10, 4, temperature=0) == []
+
+
+def test_a_long_prompt_is_cut_from_the_left_keeping_the_document_start():
+    prompt = [EOT] + list(range(1, 300))
+    cut, was_cut = sample.fit_prompt(prompt, 56, 256)
+    assert was_cut and len(cut) == 200 and cut[0] == EOT and cut[1:] == prompt[-199:]
+    assert sample.fit_prompt(prompt[:50], 56, 256) == (prompt[:50], False)
+    with pytest.raises(T.UsageError, match="max_new_tokens=256 leaves no room"):
+        sample.fit_prompt(prompt, 256, 256)
+
+
+# ----------------------------------------------------------------------------- sample.py CLI
+
+
+@needs_tokenizer
+def test_sample_cli_prints_text_and_warns_on_a_long_prompt(checkpoint):
+    result = tool("sample", checkpoint, "--prompt", "The President", "--max_new_tokens", 20, "--num_samples", 2,
+                  env=TOKENIZER_ENV)
+    assert result.returncode == 0, result.stderr
+    texts = [line for line in result.stdout.splitlines() if not line.startswith("--- sample")]
+    assert result.stdout.count("--- sample") == 2 and all(t.startswith("The President") for t in texts)
+    assert len(texts[0]) > len("The President") and "tokens/s (kv_cache true)" in result.stderr
+    long = tool("sample", checkpoint, "--prompt", "the nation " * 200, "--max_new_tokens", 16,
+                "--temperature", 0, env=TOKENIZER_ENV)
+    assert long.returncode == 0, long.stderr
+    assert "warning: the prompt is longer than the model's 256-token context" in long.stderr
+    assert "kept its last 239 tokens" in long.stderr
+
+
+def test_tokenizer_unavailable_is_one_line(checkpoint, tmp_path):
+    offline = {"TIKTOKEN_CACHE_DIR": str(tmp_path), "HTTPS_PROXY": "http://127.0.0.1:9",
+               "HTTP_PROXY": "http://127.0.0.1:9", "https_proxy": "http://127.0.0.1:9"}
+    line = one_error_line(tool("sample", checkpoint, "--prompt", "x", env=offline))
+    assert "cannot load the GPT-2 tokenizer" in line and "TIKTOKEN_CACHE_DIR" in line
+
+
+@needs_tokenizer
+def test_checkpoint_of_another_shape_or_recipe_is_refused(checkpoint, tmp_path):
+    def edited(name, change):
+        folder = tmp_path / name
+        shutil.copytree(checkpoint, folder)
+        meta = json.loads((folder / "checkpoint.json").read_text())
+        change(meta["hyperparameters"])
+        (folder / "checkpoint.json").write_text(json.dumps(meta))
+        return folder
+    wide = edited("wide", lambda h: h.update(model_dim=128))
+    line = one_error_line(tool("sample", wide, "--prompt", "x", env=TOKENIZER_ENV))
+    assert "the weights have model_dim=64 but the recorded hyperparameters say model_dim=128" in line
+    deep = edited("deep", lambda h: h.update(n_layer=4))
+    assert "n_layer=2 but the recorded hyperparameters say n_layer=4" in \
+        one_error_line(tool("hellaswag", deep, "--data", FIXTURE))
+    other = edited("other", lambda h: h.update(recipe="2026-01-01"))
+    assert "records hyperparameter 'recipe'='2026-01-01', which this train_gpt.py does not have" in \
+        one_error_line(tool("export", other, tmp_path / "out"))
+    assert "does not exist" in one_error_line(tool("sample", tmp_path / "missing", env=TOKENIZER_ENV))
+
+
+# ----------------------------------------------------------------------------- HellaSwag
+
+# The fixture's model: every position predicts the same distribution, where " cat", " dog", " sun" and
+# " tree" cost about 1.39 nats and every other token about 16.39. Each example was built so that the
+# choices below follow from those two numbers alone: 4 examples both rules get right, 2 only acc_norm
+# (long all-good endings), 3 only acc (a one-token label against a longer ending of better mean), 1
+# neither. Example 3 also flips if the context's tokens were scored, or targets shifted by one.
+FIXTURE_CHOICES = [(1, 1), (0, 0), (3, 3), (2, 2), (0, 2), (1, 0), (2, 0), (0, 3), (3, 2), (1, 1)]
+FIXTURE_ACC, FIXTURE_ACC_NORM = 0.7, 0.6
+
+
+def unigram_model(enc):
+    """Attention and MLPs output zero (zero-init projections), every token embeds to the same vector, so
+    the head sees one hidden state everywhere; its rows for the good words stand out."""
+    args = T.parse_args(TINY, False)
+    rt = T.Runtime(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"), dtype=torch.bfloat16,
+                   attention="sdpa", fp8_head=False, compile="off")
+    model = T.build_model(args, rt).eval()
+    with torch.no_grad():
+        model.embed.weight.fill_(1.0)
+        for word in (" cat", " dog", " sun", " tree"):
+            (token,) = enc.encode_ordinary(word)
+            model.lm_head.weight[token] = 200.0 / args.model_dim  # logit 200: softcapped to ~30, others 15
+    return model
+
+
+@needs_tokenizer
+def test_fixture_gives_its_known_accuracy(monkeypatch):
+    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(TIKTOKEN_CACHE))
+    enc = loading.gpt2_tokenizer()
+    items = H.tokenized(H.read_examples(FIXTURE), enc, 256)
+    for pack_tokens in (128, 256):  # one candidate per sequence, and several packed together
+        result = H.score(unigram_model(enc), items, window_blocks=1, pack_tokens=pack_tokens)
+        assert result.predictions == FIXTURE_CHOICES
+        assert (result.examples, result.acc, result.acc_norm) == (10, FIXTURE_ACC, FIXTURE_ACC_NORM)
+
+
+@needs_tokenizer
+def test_packed_ending_losses_match_one_forward_per_candidate(monkeypatch):
+    """Against the training loss itself: each candidate alone, the context's targets ignored (-100)."""
+    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(TIKTOKEN_CACHE))
+    model = random_model()
+    rows = [row for rows, _ in H.tokenized(H.read_examples(FIXTURE), loading.gpt2_tokenizer(), 512)
+            for row in rows]
+    window = torch.tensor(2)
+    packed = H.ending_losses(model, rows, window, pack_tokens=512)
+    for row, losses in zip(rows, packed):
+        tokens = sample.padded(row.tokens, torch.device("cpu"))
+        targets = torch.full_like(tokens, -100)
+        targets[row.ending_start - 1:len(row.tokens) - 1] = tokens[row.ending_start:len(row.tokens)]
+        n = len(row.tokens) - row.ending_start
+        with torch.no_grad():
+            mean = model(tokens, targets, window)
+        assert losses.numel() == n
+        assert losses.sum().item() == pytest.approx(mean.item() * n, rel=1e-5)
+
+
+def test_blob_id_is_gits_and_the_pins_are_the_issue_s():
+    assert H.git_blob_sha1(FIXTURE.read_bytes()) == subprocess.run(
+        ["git", "hash-object", str(FIXTURE)], capture_output=True, text=True, check=True).stdout.strip()
+    assert H.git_blob_sha1(b"") == "e69de29bb2d1d6434b8b29ae775ad8c2e48c5391"  # git's empty blob
+    assert H.BLOB_SHA1 == "0f5ee25d72216f12317d5d8a7b92deafa423d81e"
+    assert H.URL == ("https://raw.githubusercontent.com/rowanz/hellaswag/"
+                     "a29ff8e9a04bba4bd6588223785ce105328adc57/data/hellaswag_val.jsonl")
+
+
+class FakeServer:
+    """urlopen stand-in serving fixed bytes (or failing), counting requests."""
+
+    def __init__(self, data=None):
+        self.data, self.requests = data, 0
+
+    def __call__(self, url, timeout):
+        self.requests += 1
+        assert url == H.URL
+        if self.data is None:
+            raise urllib.error.URLError("no route to host")
+        import io
+        return io.BytesIO(self.data)
+
+
+def test_download_once_then_verified_cache(monkeypatch, tmp_path):
+    good = FIXTURE.read_bytes()
+    server = FakeServer(good)
+    monkeypatch.setattr(H.urllib.request, "urlopen", server)
+    expected = H.git_blob_sha1(good)
+    path = H.cached_validation_file(tmp_path, expected=expected)
+    assert path.read_bytes() == good and server.requests == 1
+    assert H.cached_validation_file(tmp_path, expected=expected) == path and server.requests == 1
+    path.write_bytes(good[:-5])  # a corrupt cache is fetched again
+    assert H.cached_validation_file(tmp_path, expected=expected).read_bytes() == good and server.requests == 2
+
+
+def test_corrupt_download_is_refused_with_the_url(monkeypatch, tmp_path):
+    good = FIXTURE.read_bytes()
+    monkeypatch.setattr(H.urllib.request, "urlopen", FakeServer(good.replace(b"cat", b"cow", 1)))
+    with pytest.raises(T.UsageError) as e:
+        H.cached_validation_file(tmp_path, expected=H.git_blob_sha1(good))
+    assert "corrupt or changed" in str(e.value) and H.URL in str(e.value) and "\n" not in str(e.value)
+    assert not list(tmp_path.iterdir())  # nothing half-written is left to be trusted later
+
+
+def test_unreachable_file_is_one_line_with_the_url(monkeypatch, tmp_path, capsys, checkpoint):
+    monkeypatch.setattr(H.urllib.request, "urlopen", FakeServer(None))
+    assert loading.run_cli(lambda: H.main([str(checkpoint), "--cache_dir", str(tmp_path)])) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "cannot download the HellaSwag validation file" in err[0] and H.URL in err[0]
+
+
+def test_missing_or_malformed_local_file_is_one_line_with_the_url(tmp_path, checkpoint):
+    assert H.URL in one_error_line(tool("hellaswag", checkpoint, "--data", tmp_path / "nope.jsonl"))
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(FIXTURE.read_text().splitlines()[0] + "\n" + '{"ctx": "x", "endings": ["a"], "label": 0}\n')
+    line = one_error_line(tool("hellaswag", checkpoint, "--data", bad))
+    assert "line 2 of" in line and "is not a HellaSwag example" in line and H.URL in line
+
+
+# ----------------------------------------------------------------------------- export
+
+
+def test_export_round_trip_is_bit_identical(checkpoint, tmp_path):
+    result = tool("export", checkpoint, tmp_path / "out")
+    assert result.returncode == 0, result.stderr
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["config.json", "model.safetensors"]
+    original = loading.load_model(checkpoint, "cpu")
+    from safetensors.torch import load_file
+    stored = load_file(str(tmp_path / "out" / "model.safetensors"))
+    trained = torch.load(checkpoint / "rank0.pt", weights_only=True)["model"]
+    assert stored.keys() == trained.keys() and all(stored[k].dtype == trained[k].dtype for k in trained)
+    assert {t.dtype for t in stored.values()} == {torch.float32, torch.bfloat16}  # embeddings trained in bf16
+    shutil.copytree(tmp_path / "out", tmp_path / "alone")  # only the two files, away from the checkpoint
+    rebuilt = load_exported(tmp_path / "alone", "cpu")
+    a, b = original.model.state_dict(), rebuilt.model.state_dict()
+    assert a.keys() == b.keys() and all(a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]) for k in a)
+    assert rebuilt.args == original.args and rebuilt.window_blocks == original.window_blocks
+    tokens = torch.tensor(prompt_with_documents(256, [0, 99]))
+    window = torch.tensor(original.window_blocks)
+    with torch.no_grad():
+        assert torch.equal(original.model.logits(tokens, window), rebuilt.model.logits(tokens, window))
+
+
+def test_export_of_a_shape_mismatch_is_refused(checkpoint, tmp_path):
+    export(loading.load_model(checkpoint, "cpu"), tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["hyperparameters"]["vocab_size"] = 50304
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(T.UsageError, match="the weights have vocab_size=50257 but the recorded hyperparameters "
+                                           "say vocab_size=50304"):
+        load_exported(tmp_path)
+
+
+# ----------------------------------------------------------------------------- in the trainer
+
+
+@needs_tokenizer
+def test_sample_at_end_writes_samples_into_the_log_and_summary(tmp_path):
+    result = run_trainer(TINY + ["--run_id=s", "--sample_at_end=2", "--val_every=0"], tmp_path, env=TOKENIZER_ENV)
+    assert result.returncode == 0, result.stderr[-2000:]
+    lines = (tmp_path / "s.txt").read_text().splitlines()
+    final = next(i for i, line in enumerate(lines) if line.startswith("final: "))
+    samples = [line for line in lines if line.startswith("sample ")]
+    assert [s.split(":")[0] for s in samples] == ["sample 1/2", "sample 2/2"]
+    assert lines[final + 1:final + 3] == samples
+    texts = [json.loads(s.split(": ", 1)[1]) for s in samples]
+    assert all(isinstance(t, str) and t for t in texts)
+    assert json.loads((tmp_path / "s.json").read_text())["samples"] == texts
+
+
+def test_sample_at_end_without_a_tokenizer_stops_at_start_up(tmp_path):
+    result = run_trainer(TINY + ["--run_id=n", "--sample_at_end=1"], tmp_path,
+                         env={"TIKTOKEN_CACHE_DIR": str(tmp_path), "HTTPS_PROXY": "http://127.0.0.1:9",
+                              "https_proxy": "http://127.0.0.1:9"})
+    assert result.returncode == 2 and "cannot load the GPT-2 tokenizer" in result.stderr
+    assert "step:1/" not in (tmp_path / "n.txt").read_text()
+
+
+SLOW_HELLASWAG = '''
+import sys, time
+sys.path.insert(0, {repo!r})
+import train_gpt as T
+from tools import hellaswag
+score = hellaswag.score
+hellaswag.score = lambda *a, **k: (time.sleep(4), score(*a, **k))[1]  # a slow eval must not count as training
+sys.exit(T.main())
+'''
+
+
+@needs_tokenizer
+def test_hellaswag_every_over_two_ranks_matches_the_tool_and_is_untimed(tmp_path):
+    driver = tmp_path / "slow.py"
+    driver.write_text(SLOW_HELLASWAG.format(repo=str(REPO)))
+    result = run_trainer(TINY + ["--run_id=h", "--hellaswag_every=2", f"--hellaswag_data={FIXTURE}",
+                                 "--checkpoint_final=true", "--val_every=0"], tmp_path / "logs", nproc=2,
+                         driver=driver, env=TOKENIZER_ENV)
+    assert result.returncode == 0, result.stderr[-3000:]
+    log = (tmp_path / "logs" / "h.txt").read_text()
+    lines = [line for line in log.splitlines() if line.startswith("step:") and "hellaswag_acc:" in line]
+    assert [line.split()[0] for line in lines] == ["step:0/4", "step:2/4", "step:4/4"]
+    assert all(" hellaswag_examples:10 " in line for line in lines)
+    summary = json.loads((tmp_path / "logs" / "h.json").read_text())
+    curve = summary["hellaswag_curve"]
+    assert [row[0] for row in curve] == [0, 2, 4] and all(row[3] == 10 for row in curve)
+    assert summary["train_time_ms"] < 3 * 4000  # three 4-second evaluations happened outside the clock
+    scored = tool("hellaswag", tmp_path / "logs" / "h" / "step_000004", "--data", FIXTURE, env=TOKENIZER_ENV)
+    assert scored.returncode == 0, scored.stderr
+    assert f"acc:{curve[-1][1]:.4f} acc_norm:{curve[-1][2]:.4f} examples:10" in scored.stdout

@@ -1,0 +1,90 @@
+"""Export a trained model: python tools/export.py <checkpoint> <out_dir>
+
+Writes out_dir/model.safetensors (every weight, in the dtype it trained in) and out_dir/config.json
+(the recorded hyperparameters, the step and its attention window). load_exported(out_dir) rebuilds the
+model from those two files alone, with the model code of train_gpt.py:
+
+    from tools.export import load_exported
+    model = load_exported("out_dir").model          # GPT; model.logits(tokens, window) as in training
+
+The other tools take out_dir wherever they take a checkpoint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from tools.loading import (EXPORT_CONFIG, EXPORT_WEIGHTS, LoadedModel, T, build, hyperparameters_from,  # noqa: E402
+                           load_model, pick_device, run_cli)
+
+FORMAT = "gpt2-speedrun"
+FORMAT_VERSION = 1
+
+
+def safetensors_torch():
+    try:
+        import safetensors.torch
+    except ImportError:
+        raise T.UsageError("export needs safetensors: pip install -r requirements-extras.txt") from None
+    return safetensors.torch
+
+
+def export(loaded: LoadedModel, out_dir: Path) -> None:
+    """Weights and config, each written to a temporary name first, so a failure leaves no half export."""
+    st = safetensors_torch()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    state = {name: t.detach().cpu().contiguous() for name, t in loaded.model.state_dict().items()}
+    config = {"format": FORMAT, "format_version": FORMAT_VERSION, "step": loaded.step,
+              "window_blocks": loaded.window_blocks, "hyperparameters": dataclasses.asdict(loaded.args),
+              "exported_from": str(loaded.source)}
+    weights, meta = out_dir / EXPORT_WEIGHTS, out_dir / EXPORT_CONFIG
+    st.save_file(state, str(weights) + ".part", metadata={"format": FORMAT})
+    (out_dir / (EXPORT_CONFIG + ".part")).write_text(json.dumps(config, indent=1))
+    os.replace(str(weights) + ".part", weights)
+    os.replace(out_dir / (EXPORT_CONFIG + ".part"), meta)
+
+
+def load_exported(out_dir: str | Path, device: str | torch.device = "cpu", window: str = "step") -> LoadedModel:
+    """The model rebuilt from config.json and model.safetensors alone."""
+    out_dir = Path(out_dir)
+    try:
+        config = json.loads((out_dir / EXPORT_CONFIG).read_text())
+    except (OSError, ValueError) as e:
+        raise T.UsageError(f"cannot read {out_dir / EXPORT_CONFIG} ({type(e).__name__}); export again") from None
+    if config.get("format") != FORMAT or config.get("format_version") != FORMAT_VERSION:
+        raise T.UsageError(f"{out_dir / EXPORT_CONFIG} is not a {FORMAT} export version {FORMAT_VERSION}")
+    args = hyperparameters_from(config["hyperparameters"], out_dir / EXPORT_CONFIG)
+    try:
+        state = safetensors_torch().load_file(str(out_dir / EXPORT_WEIGHTS))
+    except Exception as e:  # safetensors reports truncation and bad headers as several exception types
+        raise T.UsageError(f"{out_dir / EXPORT_WEIGHTS} is unreadable ({type(e).__name__}); export again") from None
+    device = device if isinstance(device, torch.device) else pick_device(device)
+    return build(args, state, int(config["step"]), device, window, out_dir)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("checkpoint", help="step_N/ folder of train_gpt.py")
+    p.add_argument("out_dir")
+    opts = p.parse_args(argv)
+    safetensors_torch()
+    loaded = load_model(opts.checkpoint, "cpu")
+    export(loaded, Path(opts.out_dir))
+    size = (Path(opts.out_dir) / EXPORT_WEIGHTS).stat().st_size
+    print(f"exported {loaded.source} (step {loaded.step}) to {opts.out_dir}/: {EXPORT_WEIGHTS} "
+          f"{size / 2**20:.1f} MiB, {EXPORT_CONFIG}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(run_cli(main))

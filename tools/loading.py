@@ -1,0 +1,161 @@
+"""Rebuilds a trained model from what train_gpt.py or tools/export.py wrote, and loads the GPT-2 tokenizer.
+
+The model's shape, recipe and attention window come from the hyperparameters recorded next to the
+weights, so any model flag train_gpt.py gains flows through without a change here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+import train_gpt as T  # noqa: E402
+
+EXPORT_CONFIG = "config.json"
+EXPORT_WEIGHTS = "model.safetensors"
+
+
+@dataclass
+class LoadedModel:
+    model: T.GPT
+    args: T.Hyperparameters
+    step: int
+    window_blocks: int  # the long window the tools run the model with
+    source: Path
+
+
+def pick_device(name: str) -> torch.device:
+    """auto: the first GPU when there is one, else the CPU."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise T.UsageError(f"--device={name} but no CUDA GPU is visible; use --device=cpu")
+    try:
+        return torch.device(name)
+    except RuntimeError:
+        raise T.UsageError(f"bad --device={name!r}; use auto, cpu, cuda or cuda:N") from None
+
+
+def hyperparameters_from(recorded: dict, where: Path) -> T.Hyperparameters:
+    """The recorded hyperparameters as this train_gpt.py's dataclass; a field it lacks means another recipe."""
+    known = {f.name for f in dataclasses.fields(T.Hyperparameters)}
+    unknown = sorted(set(recorded) - known)
+    if unknown:
+        raise T.UsageError(f"{where} records hyperparameter {unknown[0]!r}={recorded[unknown[0]]!r}, which this "
+                           "train_gpt.py does not have: it comes from another recipe or version; use the "
+                           "train_gpt.py that wrote it")
+    for name in sorted(known - set(recorded)):
+        print(f"warning: {where} records no {name!r}; using this train_gpt.py's default "
+              f"{getattr(T.Hyperparameters, name)!r}", file=sys.stderr)
+    return T.Hyperparameters(**recorded)
+
+
+def weights_shape(state: dict) -> dict[str, object]:
+    """The model-shape hyperparameters that the tensors themselves imply."""
+    try:
+        vocab_size, model_dim = state["embed.weight"].shape
+        attention_width = state["blocks.0.attn.qkv_w"].shape[1]
+    except KeyError as e:
+        raise T.UsageError(f"the weights have no tensor {e.args[0]!r}: not a train_gpt.py model") from None
+    return {"vocab_size": vocab_size, "model_dim": model_dim,
+            "n_layer": 1 + max(int(name.split(".")[1]) for name in state if name.startswith("blocks.")),
+            "n_head*head_dim": attention_width,
+            "value_embeds": any(name.startswith("value_embeds.") for name in state),
+            "unet_skips": "skip_weights" in state}
+
+
+def check_weights_fit(state: dict, args: T.Hyperparameters, where: Path) -> None:
+    """Refuses weights of another model shape than the recorded hyperparameters describe, naming the field."""
+    recorded = {name: getattr(args, name) for name in ("vocab_size", "model_dim", "n_layer", "value_embeds",
+                                                       "unet_skips")}
+    recorded["n_head*head_dim"] = args.n_head * args.head_dim
+    for name, value in weights_shape(state).items():
+        if recorded[name] != value:
+            raise T.UsageError(f"{where}: the weights have {name}={value} but the recorded hyperparameters say "
+                               f"{name}={recorded[name]}; the weights come from another model shape or recipe")
+
+
+def build(args: T.Hyperparameters, state: dict, step: int, device: torch.device, window: str,
+          source: Path) -> LoadedModel:
+    """The model in eval mode on device: dtypes as in training, SDPA attention (any device, any length)."""
+    check_weights_fit(state, args, source)
+    rt = T.Runtime(rank=0, local_rank=0, world_size=1, device=device,
+                   dtype=torch.bfloat16 if args.dtype == "bf16" else torch.float32,
+                   attention="sdpa", fp8_head=False, compile="off")
+    model = T.build_model(args, rt)
+    try:
+        model.load_state_dict(state)
+    except RuntimeError as e:
+        detail = " ".join(str(e).split())[:300]
+        raise T.UsageError(f"{source}: the weights do not fit the model its hyperparameters describe ({detail})") \
+            from None
+    model.eval()
+    windows = {"step": T.window_blocks(step, args), "final": T.window_blocks(args.num_iterations, args)}
+    return LoadedModel(model=model, args=args, step=step, window_blocks=windows[window], source=source)
+
+
+def load_checkpoint(path: Path, device: torch.device, window: str = "step") -> LoadedModel:
+    """A step_N/ folder of train_gpt.py: checkpoint.json and rank 0's file, whose weights every rank shares."""
+    meta = json.loads((path / T.CHECKPOINT_META).read_text())
+    args = hyperparameters_from(meta["hyperparameters"], path / T.CHECKPOINT_META)
+    file = path / "rank0.pt"
+    try:
+        state = torch.load(file, map_location="cpu", weights_only=True)["model"]
+    except FileNotFoundError:
+        raise T.UsageError(f"checkpoint {path} has no {file.name}; it is incomplete: use another step_N "
+                           "folder") from None
+    except Exception as e:  # truncated or corrupt files fail inside the unpickler in many ways
+        raise T.UsageError(f"checkpoint file {file} is unreadable ({type(e).__name__}); it is truncated or "
+                           "corrupt: use another step_N folder") from None
+    return build(args, state, int(meta["step"]), device, window, path)
+
+
+def load_model(path: str | Path, device: str | torch.device = "auto", window: str = "step") -> LoadedModel:
+    """A train_gpt.py checkpoint folder or a tools/export.py folder, whichever path is.
+
+    window: "step" runs the model with the attention window of the step it was saved at (what it was
+    validated with then), "final" with the schedule's final window.
+    """
+    path = Path(path)
+    device = device if isinstance(device, torch.device) else pick_device(device)
+    if (path / T.CHECKPOINT_META).is_file():
+        return load_checkpoint(path, device, window)
+    if (path / EXPORT_CONFIG).is_file() and (path / EXPORT_WEIGHTS).is_file():
+        from tools.export import load_exported
+        return load_exported(path, device, window)
+    what = "does not exist" if not path.exists() else f"has no {T.CHECKPOINT_META} (nor {EXPORT_CONFIG} + " \
+        f"{EXPORT_WEIGHTS})"
+    raise T.UsageError(f"{path} {what}; pass a step_N folder that train_gpt.py wrote (train with "
+                       "--checkpoint_final=true) or a folder tools/export.py wrote")
+
+
+def gpt2_tokenizer():
+    """tiktoken's GPT-2 encoding (tiktoken downloads it once, then reads it from its cache)."""
+    try:
+        import tiktoken
+    except ImportError:
+        raise T.UsageError("the GPT-2 tokenizer needs tiktoken: pip install -r requirements-extras.txt") from None
+    try:
+        return tiktoken.get_encoding("gpt2")
+    except Exception as e:  # network and cache errors of tiktoken's one-time download take many forms
+        raise T.UsageError(f"cannot load the GPT-2 tokenizer ({type(e).__name__}): tiktoken downloads it once; "
+                           "connect to the internet, or set TIKTOKEN_CACHE_DIR to a folder holding its cache") \
+            from None
+
+
+def run_cli(main) -> int:
+    """Runs a tool's main(), turning UsageError into one 'error: ...' line and exit status 2."""
+    try:
+        return main()
+    except T.UsageError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return 2

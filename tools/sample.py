@@ -1,0 +1,158 @@
+"""Sample text from a trained model: python tools/sample.py <checkpoint> --prompt "The President"
+
+<checkpoint> is a step_N/ folder train_gpt.py wrote (final or mid-run) or a folder tools/export.py wrote.
+The prompt starts a document (an <|endoftext|> token goes first, as in training; "<|endoftext|>" inside
+the prompt starts another one). Decoding uses the model's own attention rules (document start, long and
+short sliding windows) through a KV cache, so each new token costs O(window), not a pass over the
+prefix; --kv_cache=false runs the full-prefix forward instead, for comparison. A sample ends at
+--max_new_tokens or when the model ends the document.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from tools.loading import T, gpt2_tokenizer, load_model, run_cli  # noqa: E402
+
+EOT = T.EOT_TOKEN
+END_OF_RUN_TOKENS = 64  # --sample_at_end: short samples from a document start ...
+END_OF_RUN_TOP_K = 50  # ... at temperature 1 among the 50 likeliest tokens
+
+
+def next_token(logits: torch.Tensor, vocab_size: int, softcap: float, temperature: float, top_k: int,
+               generator: torch.Generator | None) -> int:
+    """Greedy at temperature 0, else a draw from the softcapped distribution (top_k > 0 keeps the k likeliest).
+
+    The head's padding rows beyond the vocabulary are never drawn.
+    """
+    logits = T.apply_softcap(logits[:vocab_size], softcap)
+    if temperature <= 0:
+        return int(logits.argmax())
+    logits = logits / temperature
+    if 0 < top_k < vocab_size:
+        kth = torch.topk(logits, top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    return int(torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator))
+
+
+def fit_prompt(prompt: list[int], max_new_tokens: int, context: int) -> tuple[list[int], bool]:
+    """The prompt cut from the left (its leading document start kept) so that the new tokens fit the context."""
+    if max_new_tokens >= context:
+        raise T.UsageError(f"--max_new_tokens={max_new_tokens} leaves no room for the prompt in the model's "
+                           f"{context}-token context; use at most {context - 1}")
+    keep = context - max_new_tokens
+    if len(prompt) <= keep:
+        return prompt, False
+    head = prompt[:1] if prompt[0] == EOT else []
+    return head + prompt[len(prompt) - (keep - len(head)):], True
+
+
+def padded(tokens: list[int], device: torch.device) -> torch.Tensor:
+    """tokens followed by EOTs up to whole 128-token blocks (causal: the padding changes no earlier logit)."""
+    return torch.tensor(tokens + [EOT] * (-len(tokens) % T.BLOCK_SIZE), device=device)
+
+
+@torch.no_grad()
+def generate(model: T.GPT, prompt: list[int], max_new_tokens: int, window_blocks: int, temperature: float = 1.0,
+             top_k: int = 0, generator: torch.Generator | None = None, kv_cache: bool = True) -> list[int]:
+    """New tokens after prompt (which fits the context), stopping before an EOT the model emits."""
+    device = model.embed.weight.device
+    draw = lambda logits: next_token(logits, model.vocab_size, model.softcap, temperature, top_k, generator)
+    out: list[int] = []
+    if kv_cache:
+        cache = T.KVCache(model, window_blocks, max_len=len(prompt) + max_new_tokens)
+        logits = model.decode(torch.tensor(prompt, device=device), cache)
+    window = torch.tensor(window_blocks, device=device)
+    for i in range(max_new_tokens):
+        if not kv_cache:  # the reference: the ordinary forward over the whole prefix, every token
+            sequence = prompt + out
+            logits = model.logits(padded(sequence, device), window)[0, len(sequence) - 1]
+        token = draw(logits)
+        if token == EOT:
+            break
+        out.append(token)
+        if kv_cache and i + 1 < max_new_tokens:
+            logits = model.decode(torch.tensor([token], device=device), cache)
+    return out
+
+
+def encode_prompt(enc, text: str) -> list[int]:
+    """A document start, then the prompt ("<|endoftext|>" in it is the EOT token)."""
+    return [EOT] + enc.encode(text, allowed_special={"<|endoftext|>"})
+
+
+def end_of_run_samples(model: T.GPT, n: int, window_blocks: int, seed: int) -> list[str]:
+    """train_gpt.py --sample_at_end: n short unconditional samples, drawn with a generator of their own."""
+    enc = gpt2_tokenizer()
+    device = model.embed.weight.device
+    generator = torch.Generator(device=device).manual_seed(seed)
+    return [enc.decode(generate(model, [EOT], END_OF_RUN_TOKENS, window_blocks, 1.0, END_OF_RUN_TOP_K, generator))
+            for _ in range(n)]
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("checkpoint", help="step_N/ folder of train_gpt.py, or a tools/export.py folder")
+    p.add_argument("--prompt", default="", help="text the samples continue (default: none, a fresh document)")
+    p.add_argument("--max_new_tokens", type=int, default=100)
+    p.add_argument("--temperature", type=float, default=1.0, help="0: greedy")
+    p.add_argument("--top_k", type=int, default=50, help="0: the whole vocabulary")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--num_samples", type=int, default=1)
+    p.add_argument("--kv_cache", default="true", choices=["true", "false"],
+                   help="false: a full forward over the prefix for every token (slow; for comparison)")
+    p.add_argument("--window", default="step", choices=["step", "final"],
+                   help="attention window of the checkpoint's step, or the schedule's final one")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    args = p.parse_args(argv)
+    for name in ("max_new_tokens", "num_samples"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name} must be at least 1")
+    if args.top_k < 0 or args.temperature < 0:
+        p.error("--top_k and --temperature must not be negative")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    opts = parse(argv)
+    enc = gpt2_tokenizer()
+    loaded = load_model(opts.checkpoint, opts.device, opts.window)
+    model, context = loaded.model, loaded.model.context_len
+    prompt, cut = fit_prompt(encode_prompt(enc, opts.prompt), opts.max_new_tokens, context)
+    if cut:
+        print(f"warning: the prompt is longer than the model's {context}-token context leaves room for with "
+              f"--max_new_tokens={opts.max_new_tokens}; kept its last {len(prompt) - 1} tokens", file=sys.stderr)
+    print(f"{loaded.source}: step {loaded.step}, {loaded.args.n_layer} layers x {loaded.args.model_dim}, "
+          f"window {loaded.window_blocks} blocks, {model.embed.weight.device}, kv_cache {opts.kv_cache}",
+          file=sys.stderr)
+    device = model.embed.weight.device
+    generator = torch.Generator(device=device).manual_seed(opts.seed)
+    generated, seconds = 0, 0.0
+    for i in range(opts.num_samples):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        new = generate(model, prompt, opts.max_new_tokens, loaded.window_blocks, opts.temperature, opts.top_k,
+                       generator, kv_cache=opts.kv_cache == "true")
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        seconds += time.perf_counter() - start
+        generated += len(new)
+        if opts.num_samples > 1:
+            print(f"--- sample {i + 1}/{opts.num_samples} ---")
+        print(enc.decode(prompt[1:] + new), flush=True)
+    print(f"{generated} tokens in {seconds:.2f}s: {generated / max(seconds, 1e-9):.1f} tokens/s "
+          f"(kv_cache {opts.kv_cache})", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(run_cli(main))
