@@ -2122,8 +2122,10 @@ def run_training(args: Hyperparameters, rt: Runtime, log: RunLog, accum: int, ru
     return 0
 
 
+# gloo words a dead peer differently per operation (a reduce-scatter wait says "Application timeout
+# caused pair closure").
 COLLECTIVE_FAILURE_MARKERS = ("gloo", "NCCL", "Connection reset", "Connection closed", "Timed out", "timed out",
-                              "ProcessGroup")
+                              "ProcessGroup", "pair closure")
 
 
 def is_collective_failure(e: Exception) -> bool:
