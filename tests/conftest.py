@@ -26,6 +26,22 @@ def run_trainer(args, log_dir, nproc=None, driver=None, timeout=300, env=None):
                           timeout=timeout, env=full_env)
 
 
+def start_two_ranks_until_step_3(args, log):
+    """Launches a 2-rank torchrun of train_gpt.py, waits until its log shows step 3 and returns the
+    launcher process and its two worker pids (to signal one rank)."""
+    import time
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           str(REPO / "train_gpt.py")] + list(args)
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    deadline = time.time() + 120
+    while time.time() < deadline and not (log.exists() and "step:3/" in log.read_text()):
+        time.sleep(0.2)
+    workers = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
+    assert len(workers) == 2, workers
+    return proc, workers
+
+
 def train_losses(text):
     """{step: train_loss} from step lines."""
     return {int(m[1]): float(m[2]) for m in re.finditer(r"^step:(\d+)/\d+ train_loss:(\S+) ", text, re.M)}

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import train_gpt as T
-from conftest import REPO, TINY, run_trainer, train_losses
+from conftest import REPO, TINY, run_trainer, start_two_ranks_until_step_3, train_losses
 
 SIX = TINY + ["--num_iterations=6", "--val_every=0"]
 
@@ -63,16 +63,8 @@ def test_checkpoint_every_keeps_the_last_k(tmp_path):
 def test_sigterm_on_one_rank_checkpoints_all_ranks_and_resume_continues(tmp_path):
     args = TINY + ["--num_iterations=500", "--val_every=0", "--run_id=sig", "--checkpoint_every=1000",
                    f"--log_dir={tmp_path}"]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           str(REPO / "train_gpt.py")] + args
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
     log = tmp_path / "sig.txt"
-    deadline = time.time() + 120
-    while time.time() < deadline and not (log.exists() and "step:3/500" in log.read_text()):
-        time.sleep(0.2)
-    workers = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
-    assert len(workers) == 2, workers
+    proc, workers = start_two_ranks_until_step_3(args, log)
     os.kill(int(workers[-1]), signal.SIGTERM)  # one rank only: the others must follow
     proc.communicate(timeout=120)
     assert proc.returncode != 0

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import train_gpt as T
-from conftest import REPO, TINY, run_trainer, train_losses
+from conftest import REPO, TINY, run_trainer, start_two_ranks_until_step_3, train_losses
 
 
 def one_line_error(result, code=2):
@@ -225,16 +225,8 @@ def test_7_bad_flags_are_refused_before_any_work(tmp_path, flag):
 # 8. SIGTERM to one rank without checkpoints: every rank stops cleanly, no false collective failure.
 def test_8_sigterm_on_one_rank_without_checkpoints_stops_all(tmp_path):
     args = TINY + ["--num_iterations=500", "--val_every=0", "--run_id=sig8", f"--log_dir={tmp_path}"]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           str(REPO / "train_gpt.py")] + args
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
     log = tmp_path / "sig8.txt"
-    deadline = time.time() + 120
-    while time.time() < deadline and not (log.exists() and "step:3/500" in log.read_text()):
-        time.sleep(0.2)
-    workers = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
-    assert len(workers) == 2, workers
+    proc, workers = start_two_ranks_until_step_3(args, log)
     os.kill(int(workers[-1]), signal.SIGTERM)
     _, err = proc.communicate(timeout=120)
     text = log.read_text()
