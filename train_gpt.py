@@ -966,15 +966,10 @@ class Bucket:
             g = self.real[0].grad
             return torch.zeros(self.shard_numel * self.world_size, device=self.real[0].device,
                                dtype=self.real[0].dtype) if g is None else g.view(-1)
-        if self.muon:
-            for j, p in enumerate(self.params):
-                if p is not None:
-                    dest = self.grads_in[j * self.shard_numel:(j + 1) * self.shard_numel]
-                    dest.zero_() if p.grad is None else dest.copy_(p.grad.view(-1))
-        else:
-            g = self.real[0].grad
-            dest = self.grads_in[:self.real[0].numel()]
-            dest.zero_() if g is None else dest.copy_(g.view(-1))
+        for j, p in enumerate(self.params):  # Muon: matrix j in slot j; Adam: the one parameter, then padding
+            if p is not None:
+                dest = self.grads_in[j * p.numel():(j + 1) * p.numel()]
+                dest.zero_() if p.grad is None else dest.copy_(p.grad.view(-1))
         return self.grads_in
 
 
