@@ -330,11 +330,11 @@ def setup_runtime(args: Hyperparameters) -> Runtime:
     if compile_mode == "model":
         configure_inductor(args)
     fp8_head = args.fp8_head and fp8_supported(device)
-    # On CPU the full fp32 logits cost more than the head's matmuls; GPUs keep the plain (compiled) path.
+    # On CPU the full fp32 logits cost more than the head matmuls; GPUs and whole-model compiles keep the plain loss.
     return Runtime(rank=rank, local_rank=local_rank, world_size=world_size, device=device,
                    dtype=torch.bfloat16 if args.dtype == "bf16" else torch.float32,
                    attention=attention, fp8_head=fp8_head, compile=compile_mode,
-                   chunked_loss=device.type == "cpu" and not fp8_head)
+                   chunked_loss=device.type == "cpu" and not fp8_head and compile_mode != "model")
 
 
 def configure_inductor(args: Hyperparameters) -> None:
@@ -553,6 +553,7 @@ class BandedMask:
     chunks: list[tuple[int, int, Tensor]]
 
 
+@torch.compiler.disable  # the band's width is read from a tensor: a compiled model calls this eagerly
 def banded_window_mask(tokens: Tensor, window_blocks: Tensor, chunk_keys: int = BAND_CHUNK_KEYS) -> BandedMask:
     """The band of each query block, masked by the same rule as the dense and Flex masks.
 
