@@ -288,6 +288,7 @@ class Runtime:
     attention: str  # flex | sdpa
     fp8_head: bool
     compile: str  # model | loss | off
+    chunked_loss: bool = False  # head + loss a chunk of rows at a time (ChunkedHeadLoss): the CPU path
 
     @property
     def is_master(self) -> bool:
@@ -328,10 +329,12 @@ def setup_runtime(args: Hyperparameters) -> Runtime:
     compile_mode = args.compile if args.compile != "auto" else ("model" if device.type == "cuda" else "loss")
     if compile_mode == "model":
         configure_inductor(args)
+    fp8_head = args.fp8_head and fp8_supported(device)
+    # On CPU the full fp32 logits cost more than the head matmuls; GPUs and whole-model compiles keep the plain loss.
     return Runtime(rank=rank, local_rank=local_rank, world_size=world_size, device=device,
                    dtype=torch.bfloat16 if args.dtype == "bf16" else torch.float32,
-                   attention=attention, fp8_head=args.fp8_head and fp8_supported(device),
-                   compile=compile_mode)
+                   attention=attention, fp8_head=fp8_head, compile=compile_mode,
+                   chunked_loss=device.type == "cpu" and not fp8_head and compile_mode != "model")
 
 
 def configure_inductor(args: Hyperparameters) -> None:
@@ -531,9 +534,71 @@ def attention_allowed(docs: Tensor, q_idx: Tensor, kv_idx: Tensor, window_blocks
 
 
 def sliding_window_mask(tokens: Tensor, window_blocks: Tensor) -> Tensor:
-    """Dense (T, T) boolean mask of attention_allowed, for SDPA."""
+    """Dense (T, T) boolean mask of attention_allowed: O(T^2), kept as the tests' oracle only."""
     idx = torch.arange(tokens.numel(), device=tokens.device)
     return attention_allowed(document_ids(tokens), idx[:, None], idx[None, :], window_blocks)
+
+
+BAND_CHUNK_KEYS = 64 * 1024  # key slots per SDPA call: bounds the per-call mask and gradient buffers
+
+
+@dataclass
+class BandedMask:
+    """attention_allowed over each query block's band: key blocks i-W+1..i of query block i.
+
+    Query blocks are split into chunks; chunk (lo, hi) has a boolean mask (hi-lo, 1, 128, W*128).
+    Keys left of the sequence start (block index < 0) are padding and never allowed.
+    """
+    band_blocks: int  # W
+    chunks: list[tuple[int, int, Tensor]]
+
+
+@torch.compiler.disable  # the band's width is read from a tensor: a compiled model calls this eagerly
+def banded_window_mask(tokens: Tensor, window_blocks: Tensor, chunk_keys: int = BAND_CHUNK_KEYS) -> BandedMask:
+    """The band of each query block, masked by the same rule as the dense and Flex masks.
+
+    The window is read as an int here (a host sync), once per mask: the band's width is a shape.
+    """
+    docs = document_ids(tokens)
+    n_blocks = tokens.numel() // BLOCK_SIZE
+    band = max(1, min(int(window_blocks), n_blocks))  # a wider window sees the whole sequence anyway
+    per_chunk = max(1, chunk_keys // (band * BLOCK_SIZE))
+    offsets = torch.arange(band * BLOCK_SIZE, device=tokens.device)
+    chunks = []
+    for lo in range(0, n_blocks, per_chunk):
+        hi = min(lo + per_chunk, n_blocks)
+        q_idx = torch.arange(lo * BLOCK_SIZE, hi * BLOCK_SIZE, device=tokens.device).view(hi - lo, BLOCK_SIZE, 1)
+        first_key = (torch.arange(lo, hi, device=tokens.device) - (band - 1)) * BLOCK_SIZE
+        kv_idx = (first_key.view(-1, 1) + offsets).view(hi - lo, 1, -1)
+        allowed = attention_allowed(docs, q_idx, kv_idx.clamp_min(0), window_blocks) & (kv_idx >= 0)
+        chunks.append((lo, hi, allowed[:, None]))
+    return BandedMask(band_blocks=band, chunks=chunks)
+
+
+def banded_attention(q: Tensor, k: Tensor, v: Tensor, mask: BandedMask, scale: float) -> Tensor:
+    """Exact attention over (1, T, H, D) inputs that scores only each query block's band: O(T*W).
+
+    The keys are padded with W-1 blocks in front; query block i's band is then a window of the
+    padded keys, taken as an overlapping view (no copy). Every query may attend to itself, so no
+    row of a mask is empty and no softmax sees only -inf.
+    """
+    if q.size(0) != 1:
+        raise ValueError("banded attention takes one flat sequence (batch size 1)")
+    band, n_heads, head_dim = mask.band_blocks, q.size(2), q.size(3)
+    pad = (band - 1) * BLOCK_SIZE
+    k, v = (F.pad(t[0], (0, 0, 0, 0, pad, 0)) for t in (k, v))  # (pad + T, H, D)
+
+    def bands(t: Tensor, lo: int, hi: int) -> Tensor:  # (hi - lo, H, W*128, D), a view of t
+        return t[lo * BLOCK_SIZE:(hi + band - 1) * BLOCK_SIZE].unfold(0, band * BLOCK_SIZE, BLOCK_SIZE) \
+            .permute(0, 1, 3, 2)
+
+    out = []
+    for lo, hi, allowed in mask.chunks:
+        q_blocks = q[0, lo * BLOCK_SIZE:hi * BLOCK_SIZE].view(hi - lo, BLOCK_SIZE, n_heads, head_dim).transpose(1, 2)
+        y = F.scaled_dot_product_attention(q_blocks, bands(k, lo, hi), bands(v, lo, hi), attn_mask=allowed,
+                                           scale=scale)
+        out.append(y.transpose(1, 2).reshape(1, (hi - lo) * BLOCK_SIZE, n_heads, head_dim))
+    return torch.cat(out, dim=1) if len(out) > 1 else out[0]
 
 
 def sliding_window_block_mask(tokens: Tensor, window_blocks: Tensor):
@@ -569,15 +634,17 @@ def sliding_window_block_mask(tokens: Tensor, window_blocks: Tensor):
                                     BLOCK_SIZE=BLOCK_SIZE, mask_mod=mask_mod)
 
 
-class SDPAAttention:
-    """Dense boolean masks and scaled_dot_product_attention: CPU and the fallback everywhere."""
-    build_mask = staticmethod(sliding_window_mask)
+def dense_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float) -> Tensor:
+    """SDPA over (1, T, H, D) inputs with an explicit boolean mask: the KV-cache decode path."""
+    y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                       attn_mask=mask, scale=scale)
+    return y.transpose(1, 2)
 
-    @staticmethod
-    def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float) -> Tensor:
-        y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                           attn_mask=mask, scale=scale)
-        return y.transpose(1, 2)
+
+class SDPAAttention:
+    """Banded masks and scaled_dot_product_attention: CPU, and wherever FlexAttention is off."""
+    build_mask = staticmethod(banded_window_mask)
+    attend = staticmethod(banded_attention)
 
 
 class FlexAttention:
@@ -758,10 +825,15 @@ def next_multiple(n: float, k: int) -> int:
 
 class GPT(nn.Module):
     def __init__(self, args: Hyperparameters, attention: str = "sdpa", fp8_head: bool = False,
-                 compile_loss: bool = False):
+                 compile_loss: bool = False, chunked_loss: bool = False):
         super().__init__()
         self.loss_fn = torch.compile(softcapped_cross_entropy, dynamic=False) if compile_loss \
             else softcapped_cross_entropy
+        self.chunk_loss_fn = torch.compile(softcapped_cross_entropy_chunk, dynamic=False) if compile_loss \
+            else softcapped_cross_entropy_chunk
+        if chunked_loss and fp8_head:
+            raise ValueError("the chunked head + loss computes the head in the activation dtype, not FP8")
+        self.chunked_loss = chunked_loss
         self.roles = LayerRoles.for_depth(args.n_layer, args.value_embeds)
         self.backend = ATTENTION_BACKENDS[attention]
         self.vocab_size, self.softcap, self.unet = args.vocab_size, args.logit_softcap, args.unet_skips
@@ -782,14 +854,20 @@ class GPT(nn.Module):
             raise UsageError(f"sequence length {tokens.numel()} is not a multiple of the {BLOCK_SIZE}-token block")
         if not torch.compiler.is_compiling():
             check_model_inputs(tokens, targets, window_blocks, self.vocab_size)
+        if self.chunked_loss:
+            return chunked_head_loss(self.final_hidden(tokens, window_blocks)[0], self.lm_head.weight, targets,
+                                     self.softcap, self.chunk_loss_fn)
         return self.loss_fn(self.logits(tokens, window_blocks), targets, self.softcap)
 
     def logits(self, tokens: Tensor, window_blocks: Tensor) -> Tensor:
         """Head outputs (1, T, padded vocab) before the softcap: the forward pass without the loss."""
+        return self.lm_head(self.final_hidden(tokens, window_blocks))
+
+    def final_hidden(self, tokens: Tensor, window_blocks: Tensor) -> Tensor:
+        """The normed residual stream (1, T, model_dim) the head reads."""
         masks = {True: self.backend.build_mask(tokens, window_blocks),
                  False: self.backend.build_mask(tokens, short_window_blocks(window_blocks))}
-        x = self.trunk(tokens, [masks[long] for long in self.roles.long_window], self.backend)
-        return self.lm_head(rms_norm(x))
+        return rms_norm(self.trunk(tokens, [masks[long] for long in self.roles.long_window], self.backend))
 
     def trunk(self, tokens: Tensor, layer_masks: list, backend, offset: int = 0) -> Tensor:
         """Embeddings through every block (value embeddings, x0 mixing, U-net skips): the residual stream."""
@@ -870,7 +948,7 @@ class KVCache:
         q_idx = torch.arange(self.start, self.length, device=q.device)[:, None]
         kv_idx = torch.arange(first, self.length, device=q.device)[None, :]
         mask = attention_allowed(self.docs, q_idx, kv_idx, window)
-        return SDPAAttention.attend(q, self.keys[layer][:, first:self.length], self.values[layer][:, first:self.length],
+        return dense_attention(q, self.keys[layer][:, first:self.length], self.values[layer][:, first:self.length],
                                     mask, scale)
 
 
@@ -888,6 +966,77 @@ def softcapped_cross_entropy(logits: Tensor, targets: Tensor, softcap: float) ->
     return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
 
 
+HEAD_CHUNK_ROWS = 512  # rows of fp32 logits alive at once in the chunked head + loss
+
+
+def softcapped_cross_entropy_chunk(logits: Tensor, targets: Tensor, softcap: float, inv_count: Tensor,
+                                   with_grad: bool) -> tuple[Tensor, Tensor | None]:
+    """softcapped_cross_entropy of some rows, summed (not averaged), and its gradient in closed form.
+
+    The gradient is d(mean loss)/d(logits) for a mean over 1/inv_count targets, cast to the logits'
+    dtype as autograd would: (softmax - onehot) * inv_count, times softcap * s' / (softcap / 4).
+    """
+    z = logits.float()
+    sig = torch.sigmoid(z / (softcap / 4)) if softcap > 0 else None
+    capped = softcap * sig if softcap > 0 else z
+    lse = torch.logsumexp(capped, dim=-1, keepdim=True)
+    valid = targets != -100  # cross_entropy's ignore_index
+    picked = capped.gather(1, torch.where(valid, targets, 0)[:, None])
+    loss_sum = torch.where(valid, (lse - picked)[:, 0], 0.0).sum()
+    if not with_grad:
+        return loss_sum, None
+    onehot = torch.arange(capped.size(-1), device=capped.device)[None, :] == targets[:, None]
+    grad = (torch.exp(capped - lse) - onehot.float()) * (valid.float() * inv_count)[:, None]
+    if softcap > 0:
+        grad = grad * (softcap * sig * (1 - sig) / (softcap / 4))
+    return loss_sum, grad.to(logits.dtype)
+
+
+class ChunkedHeadLoss(torch.autograd.Function):
+    """lm_head matmul + softcapped cross-entropy, a chunk of rows at a time (the CPU path).
+
+    Same math as softcapped_cross_entropy(F.linear(h, weight.type_as(h))), but only one chunk of fp32
+    logits exists at a time: each chunk's gradient is computed in the forward (closed form) and
+    kept in h's dtype, as the plain path's bf16 logits would be; backward is then two matmuls.
+    """
+
+    @staticmethod
+    def forward(ctx, h: Tensor, weight: Tensor, targets: Tensor, softcap: float, kernel) -> Tensor:
+        w = weight.type_as(h)
+        count = (targets != -100).sum()
+        inv_count = 1.0 / count.float()
+        grad_logits = h.new_empty(h.size(0), w.size(0))
+        total = torch.zeros((), dtype=torch.float32, device=h.device)
+        for lo in range(0, h.size(0), HEAD_CHUNK_ROWS):
+            rows = slice(lo, lo + HEAD_CHUNK_ROWS)
+            loss_sum, grad_logits[rows] = kernel(F.linear(h[rows], w), targets[rows], softcap, inv_count, True)
+            total += loss_sum
+        ctx.save_for_backward(h, w, grad_logits)
+        ctx.weight_dtype = weight.dtype
+        return total / count
+
+    @staticmethod
+    def backward(ctx, grad_loss: Tensor):
+        h, w, grad_logits = ctx.saved_tensors
+        scale = grad_loss.to(h.dtype)
+        grad_h = (grad_logits @ w) * scale if ctx.needs_input_grad[0] else None
+        grad_w = (grad_logits.T @ h).to(ctx.weight_dtype) * grad_loss if ctx.needs_input_grad[1] else None
+        return grad_h, grad_w, None, None, None
+
+
+def chunked_head_loss(h: Tensor, weight: Tensor, targets: Tensor, softcap: float, kernel) -> Tensor:
+    """Mean softcapped cross-entropy of F.linear(h, weight) without ever holding all fp32 logits."""
+    if torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad):
+        return ChunkedHeadLoss.apply(h, weight, targets, softcap, kernel)
+    w = weight.type_as(h)
+    count = (targets != -100).sum()
+    total = torch.zeros((), dtype=torch.float32, device=h.device)
+    for lo in range(0, h.size(0), HEAD_CHUNK_ROWS):
+        rows = slice(lo, lo + HEAD_CHUNK_ROWS)
+        total += kernel(F.linear(h[rows], w), targets[rows], softcap, count, False)[0]
+    return total / count
+
+
 def check_model_inputs(tokens: Tensor, targets: Tensor, window_blocks: Tensor, vocab_size: int) -> None:
     """Eager-mode guards that would otherwise surface as a wrong mask, a trained padding logit or a
     device-side assert. Targets may hold -100, cross_entropy's ignore index."""
@@ -903,7 +1052,8 @@ def check_model_inputs(tokens: Tensor, targets: Tensor, window_blocks: Tensor, v
 
 def build_model(args: Hyperparameters, rt: Runtime) -> GPT:
     """The model on its device: embeddings in the activation dtype, matrices and scalars in fp32."""
-    model = GPT(args, attention=rt.attention, fp8_head=rt.fp8_head, compile_loss=rt.compile == "loss").to(rt.device)
+    model = GPT(args, attention=rt.attention, fp8_head=rt.fp8_head, compile_loss=rt.compile == "loss",
+                chunked_loss=rt.chunked_loss).to(rt.device)
     if rt.fp8_head and rt.compile == "model":
         compile_fp8_kernels()
     for module in model.modules():
@@ -1290,7 +1440,8 @@ def environment_lines(rt: Runtime) -> list[str]:
     lines = [f"python: {platform.python_version()}", f"torch: {torch.__version__}",
              f"cuda: {torch.version.cuda if rt.is_cuda else 'n/a'}", f"device: {device_name(rt)}",
              f"world_size: {rt.world_size}",
-             f"attention: {rt.attention} fp8_head: {rt.fp8_head} compile: {rt.compile} dtype: {rt.dtype}"]
+             f"attention: {rt.attention} fp8_head: {rt.fp8_head} compile: {rt.compile} dtype: {rt.dtype} "
+             f"chunked_loss: {rt.chunked_loss}"]
     try:
         smi = subprocess.run(["nvidia-smi"], capture_output=True, text=True, timeout=20)
         if smi.returncode == 0:

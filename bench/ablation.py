@@ -5,7 +5,7 @@ GPT-2-style AdamW baseline, all at the same token budget and over several seeds.
 `train_gpt.py` itself in a subprocess with `--name=value` overrides (each switch is one of its
 hyperparameters), so the benchmark measures exactly the trainer that ships.
 
-    python bench/ablation.py                                  # all variants, 3 seeds, 2 parallel jobs
+    python bench/ablation.py                                  # all variants, 2 seeds, 2 parallel jobs
     python bench/ablation.py --variants=full,baseline --seeds=2 --num_iterations=10
     python bench/ablation.py --resume-existing                # continue an interrupted benchmark
 
@@ -16,11 +16,16 @@ Writes to --out (default bench/results/):
     ablation.md                   the results table (also printed)
     ablation.png                  mean validation loss against training tokens, one line per variant
 
-Table columns: final validation loss (mean ± sample std over seeds); tokens the variant's mean
-validation curve needs to reach the baseline's final mean validation loss (the first validation
-point at or below it, linearly interpolated from the point before; "not reached" otherwise); that
-token count divided by the full recipe's; training throughput (tokens / train_time, validation
-excluded, measured while --jobs runs share the machine).
+Validation runs on the first --val_tokens tokens of the sample's validation shard, which no run
+ever trains on (the training shard is a different file).
+
+Table columns, per variant: final validation loss (mean over seeds); the seed spread (max - min
+over seeds: the noise); the difference from the full recipe's mean and whether it is beyond the
+noise (|difference| > 2 x the larger of the two seed spreads); the tokens the variant's mean
+validation curve needs to reach the full recipe's final mean validation loss (the first
+validation point at or below it, linearly interpolated from the point before; "not reached"
+otherwise); that count divided by the full recipe's budget; training throughput (tokens /
+train_time, validation excluded, measured while --jobs runs share the machine).
 """
 
 from __future__ import annotations
@@ -60,10 +65,13 @@ BASELINE_NOTE = ("baseline = plain GPT-2-style AdamW: no Muon (AdamW at matrix_a
                  "rms_norm, the x0 mix, attention scale 0.12, and also QK-norm and the recipe's Adam lrs for "
                  "embeddings/head/scalars.")
 
-# Defaults sized for 9 variants x 3 seeds in about 35 minutes on 2 shared cores with --jobs=2: under the
-# contention we had, a cpu-preset step took 6-10 s on one thread, validating 4096 tokens ~3 s, start-up
-# ~10 s, so a 24-step run took 250-380 s (too long for the budget) and a 12-step run ~140 s.
-DEFAULT_ITERS, DEFAULT_VAL_EVERY, DEFAULT_VAL_TOKENS = 12, 3, 4096
+# Defaults big enough to tell techniques apart (at 80K tokens per run the variants differed by less
+# than their seed noise): 96 steps x 4096 tokens = 393,216 training tokens, validated on 65,536 held-out
+# tokens at 5 points, 2 seeds. On our 2-core AMD EPYC with --jobs=2 one run takes about 12 minutes
+# (6 s a step on one thread), so 9 variants x 2 seeds take about 2 hours.
+DEFAULT_ITERS, DEFAULT_BATCH_TOKENS, DEFAULT_VAL_EVERY, DEFAULT_VAL_TOKENS, DEFAULT_SEEDS = 96, 4096, 24, 65536, 2
+VAL_SEQ_LEN = 2048  # the cpu preset's val_seq_len: --val_tokens must be a multiple of it
+SAMPLE_VAL_TOKENS = 262144  # tokens in data/sample/sotu_val_000000.bin, the held-out shard
 
 
 # -----------------------------------------------------------------------------
@@ -83,6 +91,7 @@ class VariantStats:
     seeds: list[int]
     final_mean: float
     final_std: float  # sample std (ddof=1); 0 for a single seed
+    final_spread: float  # max - min of the final losses over seeds (the noise column); 0 for one seed
     curve: list[tuple[int, float]]  # (tokens, mean val loss over seeds) at the validation points all runs share
     tokens_per_s: float  # mean over runs of tokens / train_time
     budget_tokens: int
@@ -122,15 +131,15 @@ def variant_stats(name: str, summaries: list[dict], failures: list[Failure] | No
     curve = [(step * batch[0], sum(c[step] for c in per_run) / len(per_run)) for step in steps]
     rates = [s["tokens"] / (s["train_time_ms"] / 1000) for s in summaries if s["train_time_ms"] > 0]
     return VariantStats(name=name, seeds=[int(s["hyperparameters"]["seed"]) for s in summaries], final_mean=mean,
-                        final_std=std, curve=curve, tokens_per_s=sum(rates) / len(rates) if rates else float("nan"),
+                        final_std=std, final_spread=max(finals) - min(finals), curve=curve, tokens_per_s=sum(rates) / len(rates) if rates else float("nan"),
                         budget_tokens=int(summaries[0]["tokens"]), failures=list(failures or []))
 
 
 @dataclass
 class Table:
-    rows: list[dict]  # per variant: name, final, reach_tokens, ratio, tokens_per_s, n
-    target: float | None  # the baseline's final mean val loss
-    headline: str  # full recipe's tokens to the target vs the baseline's budget
+    rows: list[dict]  # per variant: name, n, final_mean, spread, delta, beyond_noise, reach_tokens, ratio, tokens_per_s
+    target: float | None  # the full recipe's final mean val loss
+    headline: str  # the full recipe against the baseline
     markdown: str
 
 
@@ -138,42 +147,59 @@ def fmt_tokens(tokens: float | None) -> str:
     return "not reached" if tokens is None else f"{tokens:,.0f}"
 
 
+def beyond_noise(delta: float, spread_a: float, spread_b: float) -> bool:
+    """A difference counts only if it exceeds twice the larger seed spread of the two variants (with one
+    seed each there is no noise estimate, so nothing counts)."""
+    noise = max(spread_a, spread_b)
+    return noise > 0 and abs(delta) > 2 * noise
+
+
+def baseline_headline(base: VariantStats | None, full: VariantStats | None) -> str:
+    if base is None:
+        return "no baseline runs finished"
+    if full is None:
+        return "no full-recipe runs finished: nothing to compare against"
+    reach = tokens_to_reach(full.curve, base.final_mean)
+    if reach is None:
+        return (f"the full recipe did NOT reach the baseline's final val loss {base.final_mean:.4f} within "
+                f"{full.budget_tokens:,} tokens (its final mean: {full.final_mean:.4f})")
+    return (f"the full recipe reaches the baseline's final val loss {base.final_mean:.4f} after {reach:,.0f} "
+            f"tokens = {reach / base.budget_tokens:.3f} x the baseline's budget of {base.budget_tokens:,} tokens "
+            f"({base.budget_tokens / reach:.2f}x fewer tokens)")
+
+
 def build_table(stats: dict[str, VariantStats], failures: list[Failure], label: str) -> Table:
-    """The markdown results table; needs the baseline for the target and the full recipe for ratios."""
-    base, full = stats.get(BASELINE), stats.get(FULL)
-    target = base.final_mean if base else None
-    reach = {name: tokens_to_reach(s.curve, target) if target is not None else None for name, s in stats.items()}
-    full_reach = reach.get(FULL)
+    """The markdown results table: every variant against the full recipe (its final loss is the target)."""
+    full = stats.get(FULL)
+    target = full.final_mean if full else None
     rows = []
     for name, s in stats.items():
-        r = reach[name]
-        ratio = r / full_reach if r is not None and full_reach else None
-        rows.append(dict(name=name, n=len(s.seeds), final_mean=s.final_mean, final_std=s.final_std,
-                         reach_tokens=r, ratio=ratio, tokens_per_s=s.tokens_per_s))
-    if base is None:
-        headline = "no baseline runs finished: tokens-to-reach and ratios are not available"
-    elif full is None:
-        headline = "no full-recipe runs finished: ratios are not available"
-    elif full_reach is None:
-        headline = (f"the full recipe did NOT reach the baseline's final val loss {target:.4f} within "
-                    f"{full.budget_tokens:,} tokens (its final mean: {full.final_mean:.4f})")
-    else:
-        headline = (f"the full recipe reaches the baseline's final val loss {target:.4f} after "
-                    f"{full_reach:,.0f} tokens = {full_reach / base.budget_tokens:.3f} x the baseline's budget "
-                    f"of {base.budget_tokens:,} tokens ({base.budget_tokens / full_reach:.2f}x fewer tokens)")
+        reach = tokens_to_reach(s.curve, target) if target is not None else None
+        delta = s.final_mean - target if target is not None else None
+        rows.append(dict(name=name, n=len(s.seeds), final_mean=s.final_mean, spread=s.final_spread, delta=delta,
+                         beyond_noise=None if delta is None else beyond_noise(delta, s.final_spread, full.final_spread),
+                         reach_tokens=reach, ratio=None if reach is None else reach / full.budget_tokens,
+                         tokens_per_s=s.tokens_per_s))
+    headline = baseline_headline(stats.get(BASELINE), full)
     lines = [f"## Ablation: {label}", ""]
-    if target is not None:
-        lines.append(f"Target: the baseline's final mean val loss, {target:.4f}.")
-    lines += [f"Result: {headline}.", "",
-              "| variant | runs | final val loss (mean ± std) | tokens to reach baseline final | ratio to full | "
-              "tokens/s |", "|---|---|---|---|---|---|"]
+    lines.append(f"Target: the full recipe's final mean val loss, {target:.4f}." if target is not None else
+                 "No full-recipe run finished: differences and tokens-to-reach are not available.")
+    lines += [f"Baseline: {headline}.", "",
+              "| variant | runs | final val loss (mean) | seed spread (noise) | Δ vs full | beyond 2× noise | "
+              "tokens to reach full's final | ratio to full's budget | tokens/s |",
+              "|---|---|---|---|---|---|---|---|---|"]
     for row in rows:
+        delta = "n/a" if row["delta"] is None else f"{row['delta']:+.4f}"
+        mark = "n/a" if row["beyond_noise"] is None else ("**yes**" if row["beyond_noise"] else "no")
         ratio = "n/a" if row["ratio"] is None else f"{row['ratio']:.2f}"
-        lines.append(f"| {row['name']} | {row['n']} | {row['final_mean']:.4f} ± {row['final_std']:.4f} | "
-                     f"{fmt_tokens(row['reach_tokens'])} | {ratio} | {row['tokens_per_s']:,.0f} |")
+        lines.append(f"| {row['name']} | {row['n']} | {row['final_mean']:.4f} | {row['spread']:.4f} | {delta} | "
+                     f"{mark} | {fmt_tokens(row['reach_tokens'])} | {ratio} | {row['tokens_per_s']:,.0f} |")
     lines += ["", f"Note: {BASELINE_NOTE}",
-              "Std is the sample std over seeds; tokens-to-reach uses the mean curve over seeds; tokens/s is "
-              "training throughput with validation excluded, measured while parallel runs shared the cores."]
+              "Seed spread is max - min of the final val loss over seeds. A difference is beyond the noise when it "
+              "exceeds twice the larger spread of the variant and the full recipe. Tokens-to-reach uses the mean "
+              "curve over seeds, interpolated between validation points; the ratio divides it by the full "
+              "recipe's token budget. tokens/s is training throughput with validation excluded, measured while "
+              "parallel runs shared the cores."]
     if failures:
         lines += ["", "Failed runs (excluded):"]
         lines += [f"- {f.run_id}: {f.reason}" for f in failures]
@@ -195,14 +221,16 @@ class RunSpec:
 
 
 def run_specs(variants: list[str], seeds: int, num_iterations: int, val_every: int, val_tokens: int,
-              log_dir: Path, overrides: dict[str, list[str]] | None = None) -> list[RunSpec]:
+              log_dir: Path, overrides: dict[str, list[str]] | None = None,
+              batch_tokens: int = DEFAULT_BATCH_TOKENS) -> list[RunSpec]:
     """Seed-major order, so an interrupted benchmark has every variant at its first seeds.
     overrides: per-variant train_gpt.py arguments (default VARIANTS)."""
     overrides = overrides or VARIANTS
     specs = []
     for seed in range(seeds):
         for name in variants:
-            common = ["--preset=cpu", f"--seed={seed}", f"--num_iterations={num_iterations}",
+            common = ["--preset=cpu", f"--seed={seed}", f"--batch_tokens={batch_tokens}",
+                      f"--num_iterations={num_iterations}",
                       f"--val_every={val_every}", f"--val_tokens={val_tokens}"]
             specs.append(RunSpec(name, seed, common + overrides[name] +
                                  [f"--run_id={name}_s{seed}", f"--log_dir={log_dir}"]))
@@ -302,7 +330,7 @@ def plot(stats: dict[str, VariantStats], target: float | None, label: str, path:
             dict(linewidth=2.5, color="tab:red", linestyle="--") if name == BASELINE else dict(linewidth=1.2)
         ax.plot([t for t, _ in pts], [loss for _, loss in pts], marker="o", markersize=3, label=name, **style)
     if target is not None:
-        ax.axhline(target, color="gray", linestyle=":", linewidth=1, label=f"baseline final {target:.3f}")
+        ax.axhline(target, color="gray", linestyle=":", linewidth=1, label=f"full recipe final {target:.3f}")
     ax.set_xlabel("training tokens")
     ax.set_ylabel("validation loss (mean over seeds)")
     ax.set_title(textwrap.fill(label, 100), fontsize=8)
@@ -317,11 +345,13 @@ def plot(stats: dict[str, VariantStats], target: float | None, label: str, path:
 def parse_cli(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--seeds", type=int, default=3, help="seeds 0..N-1 per variant (default 3)")
-    p.add_argument("--num_iterations", type=int, default=DEFAULT_ITERS, help="training steps of 2048 tokens")
+    p.add_argument("--seeds", type=int, default=DEFAULT_SEEDS, help=f"seeds 0..N-1 per variant ({DEFAULT_SEEDS})")
+    p.add_argument("--num_iterations", type=int, default=DEFAULT_ITERS, help=f"training steps ({DEFAULT_ITERS})")
+    p.add_argument("--batch_tokens", type=int, default=DEFAULT_BATCH_TOKENS,
+                   help=f"tokens per step, a multiple of the cpu preset's seq_len 1024 ({DEFAULT_BATCH_TOKENS})")
     p.add_argument("--val_every", type=int, default=DEFAULT_VAL_EVERY, help="validation interval in steps")
     p.add_argument("--val_tokens", type=int, default=DEFAULT_VAL_TOKENS,
-                   help="validation tokens, a multiple of the cpu preset's val_seq_len 2048")
+                   help=f"held-out validation tokens, a multiple of {VAL_SEQ_LEN} ({DEFAULT_VAL_TOKENS})")
     p.add_argument("--variants", default=",".join(VARIANTS),
                    help="comma-separated subset of: " + ", ".join(VARIANTS))
     p.add_argument("--jobs", type=int, default=2, help="parallel runs; each gets OMP_NUM_THREADS = cores // jobs")
@@ -337,8 +367,11 @@ def parse_cli(argv: list[str]) -> argparse.Namespace:
         p.error(f"unknown variant(s) {', '.join(unknown)}; valid: {', '.join(VARIANTS)}")
     if a.seeds < 1 or a.jobs < 1 or a.num_iterations < 1 or a.val_every < 0:
         p.error("--seeds, --jobs and --num_iterations must be >= 1, --val_every >= 0")
-    if a.val_tokens <= 0 or a.val_tokens % 2048:
-        p.error(f"--val_tokens={a.val_tokens} must be a positive multiple of the cpu preset's val_seq_len 2048")
+    if a.val_tokens <= 0 or a.val_tokens % VAL_SEQ_LEN or a.val_tokens > SAMPLE_VAL_TOKENS:
+        p.error(f"--val_tokens={a.val_tokens} must be a positive multiple of the cpu preset's val_seq_len "
+                f"{VAL_SEQ_LEN}, at most the {SAMPLE_VAL_TOKENS:,} tokens of the held-out shard")
+    if a.batch_tokens <= 0 or a.batch_tokens % 1024:
+        p.error(f"--batch_tokens={a.batch_tokens} must be a positive multiple of the cpu preset's seq_len 1024")
     return a
 
 
@@ -347,14 +380,15 @@ def main(argv: list[str] | None = None) -> int:
     out = a.out.resolve()
     log_dir = out / "logs"
     cores = os.cpu_count() or 1
-    label = (f"CPU ({cores} cores), bundled State of the Union sample, cpu preset, {a.num_iterations} steps × 2048 "
-             f"tokens, {a.seeds} seed(s), val {a.val_tokens} tokens every {a.val_every} steps, {a.jobs} run(s) "
-             "in parallel")
+    label = (f"CPU ({cores} cores), bundled State of the Union sample, cpu preset, {a.num_iterations} steps × "
+             f"{a.batch_tokens} tokens, {a.seeds} seed(s), val {a.val_tokens} held-out tokens every {a.val_every} "
+             f"steps, {a.jobs} run(s) in parallel")
     overrides = dict(VARIANTS)
     if a.baseline_lr is not None:
         overrides[BASELINE] = VARIANTS[BASELINE] + [f"--matrix_adam_lr={a.baseline_lr}"]
         label += f", baseline matrix_adam_lr {a.baseline_lr}"
-    specs = run_specs(a.variants, a.seeds, a.num_iterations, a.val_every, a.val_tokens, log_dir, overrides)
+    specs = run_specs(a.variants, a.seeds, a.num_iterations, a.val_every, a.val_tokens, log_dir, overrides,
+                      a.batch_tokens)
     started = time.time()
     results, failures, reused = run_all(specs, log_dir, a.jobs, a.resume_existing)
     stats = {name: variant_stats(name, results[name], [f for f in failures if f.variant == name])

@@ -68,30 +68,42 @@ def test_variant_stats_uses_only_validation_steps_every_run_has():
     assert [t for t, _ in A.variant_stats("full", [a, b]).curve] == [0, 6 * 2048]
 
 
-def test_table_targets_the_baseline_and_reports_ratios_to_full():
+def test_table_targets_the_full_recipe_and_reports_ratios_to_its_budget():
     stats = {
-        "full": A.variant_stats("full", [summary("full", s, [10.0, 6.0, 4.0, 3.0]) for s in range(3)]),
-        "no_muon": A.variant_stats("no_muon", [summary("no_muon", s, [10.0, 8.0, 6.0, 4.5]) for s in range(3)]),
+        "full": A.variant_stats("full", [summary("full", s, [10.0, 6.0, 4.0, 3.0 + 0.01 * s]) for s in range(2)]),
+        "no_muon": A.variant_stats("no_muon", [summary("no_muon", s, [10.0, 8.0, 4.0, 2.5]) for s in range(2)]),
         "no_qk_norm": A.variant_stats("no_qk_norm", [summary("no_qk_norm", 0, [10.0, 9.0, 8.0, 7.0])]),
         "baseline": A.variant_stats("baseline", [summary("baseline", 0, [10.0, 8.0, 6.0, 5.0]),
                                                  summary("baseline", 1, [10.0, 8.0, 6.0, 5.0])]),
     }
     table = A.build_table(stats, [], "LABEL")
-    assert table.target == pytest.approx(5.0)
+    assert table.target == pytest.approx(3.005)
     rows = {r["name"]: r for r in table.rows}
-    step = 3 * 2048
-    # full: 6.0 at 1 step-block, 4.0 at 2 -> 5.0 halfway
-    assert rows["full"]["reach_tokens"] == pytest.approx(1.5 * step) and rows["full"]["ratio"] == pytest.approx(1.0)
-    # no_muon: 6.0 at 2, 4.5 at 3 -> 5.0 at 2 + 1/1.5
-    assert rows["no_muon"]["reach_tokens"] == pytest.approx((2 + 1 / 1.5) * step)
-    assert rows["no_muon"]["ratio"] == pytest.approx((2 + 1 / 1.5) / 1.5)
-    assert rows["baseline"]["reach_tokens"] == pytest.approx(3 * step)  # its own budget, by construction
-    assert rows["baseline"]["ratio"] == pytest.approx(2.0)
-    assert rows["no_qk_norm"]["reach_tokens"] is None and rows["no_qk_norm"]["ratio"] is None
+    step, budget = 3 * 2048, 9 * 2048
+    # full: 4.0 at 2 step-blocks, 3.005 (its own mean) reached between 2 and 3 (mean curve 3.005 at 3)
+    assert rows["full"]["reach_tokens"] == pytest.approx(3 * step) and rows["full"]["ratio"] == pytest.approx(1.0)
+    # no_muon: 4.0 at 2, 2.5 at 3 -> 3.005 at 2 + 0.995/1.5
+    assert rows["no_muon"]["reach_tokens"] == pytest.approx((2 + 0.995 / 1.5) * step)
+    assert rows["no_muon"]["ratio"] == pytest.approx((2 + 0.995 / 1.5) * step / budget)
+    assert rows["baseline"]["reach_tokens"] is None and rows["baseline"]["ratio"] is None
+    assert rows["full"]["spread"] == pytest.approx(0.01) and rows["no_muon"]["spread"] == 0.0
+    assert rows["no_muon"]["delta"] == pytest.approx(-0.505) and rows["no_muon"]["beyond_noise"] is True
+    assert rows["no_qk_norm"]["beyond_noise"] is True  # the full recipe's spread is the noise for one seed
     md = table.markdown
-    assert "LABEL" in md and "| no_qk_norm | 1 | 7.0000 ± 0.0000 | not reached | n/a |" in md
-    assert f"{1.5 * step:,.0f} tokens = 0.500 x the baseline's budget" in table.headline
+    assert "LABEL" in md and "| no_qk_norm | 1 | 7.0000 | 0.0000 | +3.9950 | **yes** | not reached | n/a |" in md
+    assert "| no_muon | 2 | 2.5000 | 0.0000 | -0.5050 | **yes** |" in md
+    assert "full recipe reaches the baseline's final val loss 5.0000 after" in table.headline
     assert "rotary" in md  # the baseline keeps rotary, and says so
+
+
+def test_a_difference_counts_only_beyond_twice_the_larger_seed_spread():
+    assert A.beyond_noise(0.021, 0.01, 0.005) and A.beyond_noise(-0.021, 0.005, 0.01)
+    assert not A.beyond_noise(0.019, 0.01, 0.0) and not A.beyond_noise(-0.02, 0.0, 0.01)
+    assert not A.beyond_noise(5.0, 0.0, 0.0)  # one seed each: no noise estimate, nothing counts
+    full = [summary("full", s, [10.0, 5.0 + 0.02 * s]) for s in range(2)]
+    close = [summary("no_x", s, [10.0, 5.03 + 0.01 * s]) for s in range(2)]
+    table = A.build_table({"full": A.variant_stats("full", full), "no_x": A.variant_stats("no_x", close)}, [], "L")
+    assert {r["name"]: r["beyond_noise"] for r in table.rows} == {"full": False, "no_x": False}
 
 
 def test_table_says_so_when_full_does_not_reach_the_baseline():
@@ -99,6 +111,11 @@ def test_table_says_so_when_full_does_not_reach_the_baseline():
              "baseline": A.variant_stats("baseline", [summary("baseline", 0, [10.0, 7.0, 5.0])])}
     table = A.build_table(stats, [], "L")
     assert "did NOT reach" in table.headline and "6.0000" in table.headline
+
+
+def test_table_without_a_full_run_has_no_differences():
+    table = A.build_table({"baseline": A.variant_stats("baseline", [summary("baseline", 0, [10.0, 7.0])])}, [], "L")
+    assert table.target is None and table.rows[0]["delta"] is None and "| n/a | n/a |" in table.markdown
 
 
 def test_failed_run_is_reported_by_name_and_excluded():
@@ -147,6 +164,7 @@ def test_run_specs_are_seed_major_with_unique_ids(tmp_path):
     for spec in specs:
         args = T.parse_args(spec.args, False)
         assert (args.seed, args.num_iterations, args.val_every, args.val_tokens) == (spec.seed, 12, 3, 4096)
+        assert args.batch_tokens == A.DEFAULT_BATCH_TOKENS
         assert args.run_id == spec.run_id and args.log_dir == str(tmp_path) and args.preset == "cpu"
 
 
@@ -158,11 +176,21 @@ def test_baseline_lr_override_reaches_only_the_baseline(tmp_path):
     assert T.parse_args(specs["no_muon"].args, False).matrix_adam_lr == T.Hyperparameters().matrix_adam_lr
 
 
+def test_default_budget_is_big_enough_to_judge_a_technique():
+    a = A.parse_cli([])
+    assert a.num_iterations * a.batch_tokens >= 393_216 and a.val_tokens >= 65_536 and a.seeds >= 2
+    assert a.val_tokens <= T.shard_token_count(REPO / "data" / "sample" / "sotu_val_000000.bin") == A.SAMPLE_VAL_TOKENS
+
+
 def test_cli_refuses_unknown_variants_and_bad_val_tokens():
     with pytest.raises(SystemExit):
         A.parse_cli(["--variants=full,no_such"])
     with pytest.raises(SystemExit):
         A.parse_cli(["--val_tokens=3000"])
+    with pytest.raises(SystemExit):  # more than the held-out shard holds
+        A.parse_cli([f"--val_tokens={A.SAMPLE_VAL_TOKENS + 2048}"])
+    with pytest.raises(SystemExit):
+        A.parse_cli(["--batch_tokens=1000"])
     assert A.parse_cli(["--variants=full, baseline"]).variants == ["full", "baseline"]
 
 
@@ -181,7 +209,7 @@ def test_resume_existing_reuses_matching_summaries_and_writes_table_and_plot(tmp
                  "--val_every=3", "--val_tokens=4096", f"--out={out}"])
     assert rc == 0
     md = (out / "ablation.md").read_text()
-    assert "6 steps × 2048 tokens" in md and "| baseline | 2 | 5.9950 ± 0.0071 |" in md
+    assert "6 steps × 4096 tokens" in md and "| baseline | 2 | 5.9950 | 0.0100 | +1.0000 | **yes** |" in md
     assert (out / "ablation.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

@@ -231,7 +231,7 @@ def test_attention_gradient_does_not_leak():
     n = 512
     tokens = tokens_with_docs(n, [0, 100, 300, 301])
     for window in (1, 2):
-        mask = T.sliding_window_mask(tokens, torch.tensor(window))
+        mask = T.SDPAAttention.build_mask(tokens, torch.tensor(window))
         allowed = reference_mask(tokens, window)
         q, k, v = (t.requires_grad_() for t in attention_inputs(n, seed=window))
         y = T.SDPAAttention.attend(q, k, v, mask, 0.12)
@@ -246,6 +246,64 @@ def test_attention_gradient_does_not_leak():
                 assert torch.equal(touched_k, allowed[pos]), (window, pos)
             touched_q = q.grad[0].abs().sum(dim=(-2, -1)) != 0
             assert not touched_q[torch.arange(n) != pos].any()
+
+
+def dense_from_banded(bm, n):
+    """Element-wise (n, n) mask a BandedMask stands for: query block i's band is keys (i-W+1)*128 ..."""
+    out = torch.zeros(n, n, dtype=torch.bool)
+    width = bm.band_blocks * BLOCK
+    for lo, hi, allowed in bm.chunks:
+        assert allowed.shape == (hi - lo, 1, BLOCK, width)
+        for qb in range(lo, hi):
+            first = (qb - bm.band_blocks + 1) * BLOCK
+            keep = slice(max(0, -first), width)  # keys left of the sequence are padding
+            out[qb * BLOCK:(qb + 1) * BLOCK, max(first, 0):first + width] = allowed[qb - lo, 0][:, keep]
+            assert not allowed[qb - lo, 0][:, :max(0, -first)].any(), "a padding key is allowed"
+    return out
+
+
+def banded_cases(seed=0):
+    """(n, EOT positions, window): windows shorter than a document, documents longer than the window,
+    one-block windows, windows wider than the sequence, and documents that start inside the band."""
+    rng = np.random.default_rng(seed)
+    yield 1024, [0, 130, 500, 501, 777], 1
+    yield 1024, [0], 3  # one 1024-token document, a 384-token window
+    yield 512, [0, 100, 300, 301], 2
+    yield 384, [0, 200], 9  # window wider than the sequence
+    yield 256, list(range(128, 256)), 1  # every token of block 1 starts a document: each sees only itself
+    for _ in range(6):
+        n = int(rng.choice([256, 640, 1024]))
+        eots = sorted(set(rng.choice(n, size=int(rng.integers(1, 12)), replace=False).tolist()))
+        yield n, eots, int(rng.integers(1, n // BLOCK + 3))
+
+
+@pytest.mark.parametrize("chunk_keys", [T.BAND_CHUNK_KEYS, 384, 1])
+def test_banded_mask_matches_brute_force(chunk_keys):
+    for n, eots, window in banded_cases():
+        tokens = tokens_with_docs(n, eots, seed=n)
+        bm = T.banded_window_mask(tokens, torch.tensor(window), chunk_keys)
+        assert bm.band_blocks == min(window, n // BLOCK)
+        assert torch.equal(dense_from_banded(bm, n), reference_mask(tokens, window)), (n, eots, window)
+        # O(T * W): the masks hold exactly one band per query block, never a (T, T) square
+        assert sum(m.numel() for _, _, m in bm.chunks) == n * bm.band_blocks * BLOCK
+
+
+@pytest.mark.parametrize("chunk_keys", [T.BAND_CHUNK_KEYS, 256])
+def test_banded_attention_and_gradients_match_dense(chunk_keys):
+    """float64 banded attention vs float64 dense softmax attention over the brute-force mask: outputs and
+    the gradients to q, k and v agree to rounding, and nothing is NaN (every query sees itself)."""
+    for n, eots, window in banded_cases(seed=1):
+        tokens = tokens_with_docs(n, eots, seed=n)
+        q, k, v = (t.double().requires_grad_() for t in attention_inputs(n, seed=window))
+        y = T.banded_attention(q, k, v, T.banded_window_mask(tokens, torch.tensor(window), chunk_keys), 0.12)
+        ref = reference_attention(q, k, v, reference_mask(tokens, window), 0.12)
+        torch.testing.assert_close(y, ref, atol=1e-12, rtol=1e-10)
+        grad = torch.randn_like(y)
+        got = torch.autograd.grad(y, (q, k, v), grad)
+        want = torch.autograd.grad(ref, (q, k, v), grad)
+        for a, b in zip(got, want):
+            assert torch.isfinite(a).all()
+            torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-10)
 
 
 def reachable(tokens, long_window, roles):
@@ -288,6 +346,51 @@ def test_model_gradient_does_not_cross_documents_or_windows(n_layer, window, far
         touched = captured[0].grad.abs().sum(-1) != 0
         assert not (touched & ~reach[pos]).any(), (pos, torch.nonzero(touched & ~reach[pos]).flatten()[:10])
         assert touched[pos] and touched.sum() >= 0.95 * reach[pos].sum(), pos
+
+
+# ----------------------------------------------------------------------------- chunked head + loss (CPU)
+
+@pytest.mark.parametrize("softcap, n, ignored", [(30.0, 1280, ()), (0.0, 512, ()), (30.0, 640, (3, 600, 601))])
+def test_chunked_head_loss_matches_plain_loss(softcap, n, ignored):
+    """ChunkedHeadLoss (several chunks, a ragged last one, ignored targets) against the plain
+    softcapped_cross_entropy(F.linear(h, w.type_as(h))) with autograd: loss and both gradients."""
+    gen = torch.Generator().manual_seed(n)
+    h0 = T.rms_norm(torch.randn(n, 64, generator=gen)).bfloat16()
+    w0 = torch.randn(1024, 64, generator=gen) * 0.3  # logits of a few units: the softcap matters
+    targets = torch.randint(0, 1024, (n,), generator=gen)
+    targets[list(ignored)] = -100
+    results = []
+    for chunked in (False, True):
+        h, w = h0.clone().requires_grad_(), w0.clone().requires_grad_()
+        if chunked:
+            loss = T.chunked_head_loss(h, w, targets, softcap, T.softcapped_cross_entropy_chunk)
+        else:
+            loss = T.softcapped_cross_entropy(torch.nn.functional.linear(h, w.type_as(h)), targets, softcap)
+        (2.5 * loss).backward()  # a non-unit upstream gradient must scale both gradients
+        results.append((loss.detach(), h.grad.float(), w.grad))
+    (plain, plain_gh, plain_gw), (chunk, chunk_gh, chunk_gw) = results
+    assert chunk.dtype == torch.float32
+    torch.testing.assert_close(chunk, plain, atol=1e-5, rtol=1e-6)
+    assert rel_err(chunk_gh, plain_gh) < 1e-2 and rel_err(chunk_gw, plain_gw) < 1e-2  # bf16 rounding
+    with torch.no_grad():  # evaluation: the loss alone
+        torch.testing.assert_close(T.chunked_head_loss(h0, w0, targets, softcap, T.softcapped_cross_entropy_chunk),
+                                   plain, atol=1e-5, rtol=1e-6)
+
+
+def test_cpu_runtime_selects_the_chunked_loss_and_the_model_matches_the_plain_one():
+    args = small_args("--seq_len=256", "--zero_init=false")
+    rt = T.setup_runtime(T.parse_args(["--preset=cpu"], False))
+    assert rt.chunked_loss and rt.attention == "sdpa"
+    tokens = tokens_with_docs(257, [0, 90])
+    losses = []
+    for chunked in (False, True):
+        torch.manual_seed(0)
+        model = T.GPT(args, chunked_loss=chunked)
+        loss = model(tokens[:-1], tokens[1:], torch.tensor(2))
+        loss.backward()
+        losses.append((loss.item(), model.lm_head.weight.grad.clone(), model.embed.weight.grad.float()))
+    assert losses[1][0] == pytest.approx(losses[0][0], abs=1e-5)
+    assert rel_err(losses[1][1], losses[0][1]) < 1e-2 and rel_err(losses[1][2], losses[0][2]) < 2e-2
 
 
 # ----------------------------------------------------------------------------- bad input

@@ -94,7 +94,7 @@ def test_short_window_is_half_the_long_one_at_least_one_block(long, short, monke
     model = T.GPT(args)
     seen = []
     monkeypatch.setattr(model, "backend", type("Spy", (T.SDPAAttention,), {
-        "build_mask": staticmethod(lambda tokens, w: seen.append(int(w)) or T.sliding_window_mask(tokens, w))}))
+        "build_mask": staticmethod(lambda tokens, w: seen.append(int(w)) or T.banded_window_mask(tokens, w))}))
     tokens = torch.randint(0, 64, (2048,))
     model(tokens, tokens, torch.tensor(long))
     assert sorted(seen) == sorted([long, short])

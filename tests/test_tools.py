@@ -119,9 +119,9 @@ def test_a_new_token_attends_only_to_its_window(monkeypatch):
     """O(window) per token: at position t the cache hands attention at most the window's blocks."""
     model = random_model()
     seen = []
-    attend = T.SDPAAttention.attend
-    monkeypatch.setattr(T.SDPAAttention, "attend", staticmethod(
-        lambda q, k, v, mask, scale: seen.append(k.shape[1]) or attend(q, k, v, mask, scale)))
+    attend = T.dense_attention
+    monkeypatch.setattr(T, "dense_attention",
+                        lambda q, k, v, mask, scale: seen.append(k.shape[1]) or attend(q, k, v, mask, scale))
     cache = T.KVCache(model, 2)
     tokens = torch.tensor(prompt_with_documents(500, [0]))
     model.decode(tokens[:1], cache)
