@@ -16,6 +16,7 @@ schedules, run log and accounting, checkpoints, training loop.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import fcntl
@@ -245,7 +246,7 @@ FLAG_RULES: dict[str, Rule] = {
     "muon_momentum_start": BETA, "muon_momentum_warmup_steps": integer(0), "ns_steps": integer(1),
     "adam_beta1": BETA, "adam_beta2": BETA, "adam_eps": number(0.0, lo_open=True), "head_lr": LR, "embed_lr": LR,
     "scalar_lr": LR, "matrix_adam_lr": LR, "weight_decay": number(0.0), "dtype": one_of("bf16", "fp32"),
-    "fp8_head": ANY_BOOL, "attention": one_of("auto", "flex", "sdpa"),
+    "fp8_head": ANY_BOOL, "attention": one_of("auto", "flex", "banded"),
     "compile": one_of("auto", "model", "loss", "off"), "coordinate_descent_tuning": ANY_BOOL,
     "warmup_steps": integer(0),
     "collective_timeout_s": integer(1), "log_dir": NON_EMPTY, "run_id": PLAIN_NAME, "log_train_loss": ANY_BOOL,
@@ -302,6 +303,12 @@ class Runtime:
         if self.is_cuda:
             torch.cuda.synchronize()
 
+    def resolved(self) -> dict:
+        """What start-up decided (not what was asked for): the summary and checkpoints record this."""
+        return {"attention": self.attention, "fp8_head": self.fp8_head, "compile": self.compile,
+                "dtype": str(self.dtype).removeprefix("torch."), "device": str(self.device),
+                "chunked_loss": self.chunked_loss, "world_size": self.world_size}
+
 
 def fp8_supported(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
@@ -324,7 +331,7 @@ def setup_runtime(args: Hyperparameters) -> Runtime:
         dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo",
                                 timeout=timedelta(seconds=args.collective_timeout_s),
                                 device_id=device if device.type == "cuda" else None)
-    attention = args.attention if args.attention != "auto" else ("flex" if device.type == "cuda" else "sdpa")
+    attention = args.attention if args.attention != "auto" else ("flex" if device.type == "cuda" else "banded")
     # Inductor's CPU codegen is not reliable for the whole model; the loss alone is the big CPU win.
     compile_mode = args.compile if args.compile != "auto" else ("model" if device.type == "cuda" else "loss")
     if compile_mode == "model":
@@ -641,7 +648,7 @@ def dense_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float)
     return y.transpose(1, 2)
 
 
-class SDPAAttention:
+class BandedAttention:
     """Banded masks and scaled_dot_product_attention: CPU, and wherever FlexAttention is off."""
     build_mask = staticmethod(banded_window_mask)
     attend = staticmethod(banded_attention)
@@ -658,7 +665,7 @@ class FlexAttention:
         return y.transpose(1, 2)
 
 
-ATTENTION_BACKENDS = {"sdpa": SDPAAttention, "flex": FlexAttention}
+ATTENTION_BACKENDS = {"banded": BandedAttention, "flex": FlexAttention}
 
 
 # FP8 head: e4m3 operands forward, e5m2 gradients backward, scales fixed by the recipe.
@@ -824,7 +831,7 @@ def next_multiple(n: float, k: int) -> int:
 
 
 class GPT(nn.Module):
-    def __init__(self, args: Hyperparameters, attention: str = "sdpa", fp8_head: bool = False,
+    def __init__(self, args: Hyperparameters, attention: str = "banded", fp8_head: bool = False,
                  compile_loss: bool = False, chunked_loss: bool = False):
         super().__init__()
         self.loss_fn = torch.compile(softcapped_cross_entropy, dynamic=False) if compile_loss \
@@ -908,7 +915,7 @@ def short_window_blocks(window_blocks: Tensor) -> Tensor:
 class KVCache:
     """Keys and values of every attention layer for one growing sequence: the attention backend of GPT.decode.
 
-    Stands in for SDPAAttention with the layer index as its "mask": new keys and values are stored at
+    Stands in for BandedAttention with the layer index as its "mask": new keys and values are stored at
     their absolute positions, and the new queries attend to the cached ones that attention_allowed admits
     (causal, same document, within the layer's long or short window), exactly as in the full forward.
     """
@@ -1201,9 +1208,9 @@ class Muon:
     half the bytes of gathering fp32 weights, and the same fp32 arithmetic on every rank).
     """
 
-    def __init__(self, buckets: list[Bucket], rank: int, ns_steps: int, names: dict[Tensor, str],
+    def __init__(self, buckets: list[Bucket], rank: int, lr: float, ns_steps: int, names: dict[Tensor, str],
                  orthogonalize=None):
-        self.buckets, self.rank, self.ns_steps = buckets, rank, ns_steps
+        self.buckets, self.rank, self.base_lr, self.ns_steps = buckets, rank, lr, ns_steps
         self.orthogonalize = orthogonalize or newton_schulz
         self.index_of = {names[b.params[rank]]: i for i, b in enumerate(buckets) if b.params[rank] is not None}
         self.momentum_buffers = {i: torch.zeros_like(self.owned(i)) for i in self.index_of.values()}
@@ -1211,8 +1218,9 @@ class Muon:
     def owned(self, i: int) -> nn.Parameter | None:
         return self.buckets[i].params[self.rank]
 
-    def step(self, sync: GradientSync, scale: float, lr: float, momentum: float) -> list:
+    def step(self, sync: GradientSync, scale: float, lr_mult: float, momentum: float) -> list:
         """Updates owned matrices and starts the all-gathers; returns them for finish_step."""
+        lr = self.base_lr * lr_mult
         gathers = []
         for i, bucket in enumerate(self.buckets):
             grad = sync.wait(bucket, scale)
@@ -1318,11 +1326,11 @@ class Optimizers:
     adam: ShardedAdam
     scale: float  # 1 / sequences per global batch: the sum over ranks and micro-steps becomes a mean
 
-    def step(self, lr_mult: float, momentum: float, args: Hyperparameters) -> None:
+    def step(self, lr_mult: float, momentum: float) -> None:
         """Muon first (its Newton-Schulz overlaps Adam's reduce-scatters), then Adam; the all-gathers
         of both are awaited last, so they overlap the other optimizer's math."""
         self.sync.finish()
-        muon_gathers = self.muon.step(self.sync, self.scale, args.muon_lr * lr_mult, momentum) if self.muon else []
+        muon_gathers = self.muon.step(self.sync, self.scale, lr_mult, momentum) if self.muon else []
         adam_gathers = self.adam.step(self.sync, self.scale, lr_mult)
         Muon.finish_step(muon_gathers)
         ShardedAdam.finish_step(adam_gathers)
@@ -1363,7 +1371,7 @@ def build_optimizers(model: GPT, args: Hyperparameters, rank: int, world_size: i
     names = {p: name for name, p in model.named_parameters()}
     # The record compiles Newton-Schulz: its five bf16 iterations fuse into a few kernels per shape.
     orthogonalize = torch.compile(newton_schulz, dynamic=False) if compiled else newton_schulz
-    return Optimizers(sync=sync, muon=Muon(muon_buckets, rank, args.ns_steps, names, orthogonalize)
+    return Optimizers(sync=sync, muon=Muon(muon_buckets, rank, args.muon_lr, args.ns_steps, names, orthogonalize)
                       if args.muon else None,
                       adam=ShardedAdam(adam_buckets, rank, (args.adam_beta1, args.adam_beta2), args.adam_eps, names),
                       scale=1.0 / (world_size * accum))
@@ -1434,6 +1442,94 @@ class RunLog:
         except OSError as e:
             raise UsageError(f"cannot write run log {self.path}: {e.strerror}; free disk space and resume "
                              "from the last checkpoint") from None
+
+
+# The progress lines ("step:S/N name:value ..." and "final: name:value ...") are the run log's data:
+# progress_line() is the one writer, parse_progress_line() the one reader (records/, bench/ and tests use
+# it). A field's number is written with these decimals and unit; the public speedrun's logs use the same
+# "step:S/N val_loss:... train_time:...ms step_avg:...ms" shape.
+PROGRESS_FIELDS = {  # name: (decimals, unit)
+    "val_loss": (4, ""), "train_loss": (4, ""), "train_time": (0, "ms"), "step_avg": (2, "ms"),
+    "energy": (0, "J"), "hellaswag_acc": (4, ""), "hellaswag_acc_norm": (4, ""), "hellaswag_examples": (0, ""),
+    "hellaswag_time": (0, "ms"), "steps": (0, ""), "tokens": (0, ""),
+}
+
+
+def progress_line(step: int | None, total: int, **values: float) -> str:
+    """'step:S/N f:v ...' for a step, or 'final: f:v ...' when step is None; fields in the order given."""
+    head = "final:" if step is None else f"step:{step}/{total}"
+    parts = []
+    for name, value in values.items():
+        decimals, unit = PROGRESS_FIELDS[name]
+        parts.append(f"{name}:{value:.{decimals}f}{unit}")
+    return " ".join([head, *parts])
+
+
+@dataclass
+class ProgressLine:
+    step: int | None  # None for the final line
+    total: int | None
+    fields: dict[str, float]
+
+
+def parse_progress_line(line: str) -> ProgressLine | None:
+    """The fields of a progress line (units stripped, 'nan' allowed), or None for any other line.
+    A line holding braces is a format string quoted from source code, never data."""
+    words = line.strip().split()
+    if not words or "{" in line or "}" in line:
+        return None
+    if words[0] == "final:":
+        step = total = None
+    elif words[0].startswith("step:") and words[0].count("/") == 1:
+        s, _, n = words[0][len("step:"):].partition("/")
+        if not (s.isdigit() and n.isdigit()):
+            return None
+        step, total = int(s), int(n)
+    else:
+        return None
+    values = {}
+    for word in words[1:]:
+        name, sep, text = word.partition(":")
+        unit = next((u for u in ("ms", "J", "W") if text.endswith(u) and text != u), "")
+        try:
+            values[name] = float(text[:len(text) - len(unit)])
+        except ValueError:
+            return None
+        if not sep or not name.replace("_", "").isalnum():
+            return None
+    return ProgressLine(step, total, values) if values else None
+
+
+class Clock:
+    """Training time and energy. Both run only while the model trains: every pause (validation,
+    HellaSwag, a checkpoint) first waits for the device, so each stretch is timed the same way."""
+
+    def __init__(self, rt: Runtime, energy: "EnergyMeter"):
+        self.rt, self.energy = rt, energy
+        self.ms, self.started = 0.0, None
+
+    def start(self) -> None:
+        self.rt.synchronize()
+        self.started = time.perf_counter()
+        self.energy.start()
+
+    def pause(self) -> None:
+        self.rt.synchronize()
+        self.ms += 1000 * (time.perf_counter() - self.started)
+        self.started = None
+        self.energy.stop()
+
+    @contextlib.contextmanager
+    def paused(self):
+        self.pause()
+        try:
+            yield
+        finally:
+            self.start()
+
+    def elapsed_ms(self) -> float:
+        """Training milliseconds so far (without a device sync: the last step may still be running)."""
+        return self.ms + (1000 * (time.perf_counter() - self.started) if self.started is not None else 0.0)
 
 
 def environment_lines(rt: Runtime) -> list[str]:
@@ -1701,7 +1797,7 @@ def save_checkpoint(state: dict, args: Hyperparameters, rt: Runtime, run_id: str
         if rt.is_master:
             meta = {"run_id": run_id, "step": state["step"], "world_size": rt.world_size,
                     "source_sha256": source_sha256(), "hyperparameters": dataclasses.asdict(args),
-                    "files": {f"rank{r}.pt": rec for r, rec in enumerate(records)}}
+                    "runtime": rt.resolved(), "files": {f"rank{r}.pt": rec for r, rec in enumerate(records)}}
             try:
                 (staging / CHECKPOINT_META).write_text(json.dumps(meta, indent=1))
                 shutil.rmtree(final, ignore_errors=True)
@@ -2112,159 +2208,227 @@ def train(argv: list[str]) -> int:
         raise
 
 
-def run_training(args: Hyperparameters, rt: Runtime, log: RunLog, accum: int, run_id: str,
-                 checkpoint: Path | None) -> int:
-    """Data, model and optimizers, the untimed warmup, then the timed loop with validation."""
+@dataclass
+class Trainer:
+    """What set-up builds and every phase of the run uses."""
+    args: Hyperparameters
+    rt: Runtime
+    log: RunLog
+    run_id: str
+    accum: int
+    model: GPT
+    compiled: nn.Module  # the model as the steps call it (torch.compile'd under --compile=model)
+    opt: Optimizers
+    stream: TokenStream
+    loader: DistributedTokenLoader
+    windows: WindowTensors
+    val_seqs: list[np.ndarray]
+    hellaswag_items: list | None
+
+
+@dataclass
+class Progress:
+    """What the loop has measured so far: the JSON summary's curves."""
+    val_loss: float = float("nan")
+    val_curve: list = dataclasses.field(default_factory=list)  # [step, val_loss, train_time_ms]
+    hellaswag_curve: list = dataclasses.field(default_factory=list)  # [step, acc, acc_norm, examples]
+
+
+def set_up(args: Hyperparameters, rt: Runtime, log: RunLog, accum: int, run_id: str) -> Trainer:
+    """Data, model and optimizers: everything that can fail on bad input fails here, before step 0."""
     train_files = find_shards(args.train_files, "training")
     val_files = find_shards(args.val_files, "validation")
     for f in train_files:
         shard_token_count(f)
     val_seqs = validation_sequences(val_files, args, rt.rank, rt.world_size)
-
     torch.manual_seed(args.seed)
     model = build_model(args, rt)
     compiled = torch.compile(model, dynamic=False) if rt.compile == "model" else model
     opt = build_optimizers(model, args, rt.rank, rt.world_size, accum, compiled=rt.compile == "model")
     stream = TokenStream(train_files, args.vocab_size, cycle=args.train_cycle)
     loader = DistributedTokenLoader(stream, args.seq_len, rt.rank, rt.world_size, accum, args.bos_align, rt.device)
-    window_of = WindowTensors(args, rt.device)
-    hellaswag_items = prepare_downstream(args, rt, model.context_len)
+    return Trainer(args, rt, log, run_id, accum, model, compiled, opt, stream, loader, WindowTensors(args, rt.device),
+                   val_seqs, prepare_downstream(args, rt, model.context_len))
 
-    def train_step(step: int) -> Tensor:
-        window = window_of(step)
-        losses = []
-        for i, (x, y) in enumerate(loader.next_batch()):
-            opt.sync.arm(i == accum - 1)
-            loss = compiled(x, y, window)
-            loss.backward()
-            losses.append(loss.detach())
-        opt.step(lr_multiplier(step, args.num_iterations, args.cooldown_frac, args.lr_final_frac),
-                 muon_momentum(step, args.muon_momentum_warmup_steps, args.muon_momentum_start, args.muon_momentum),
-                 args)
-        model.zero_grad(set_to_none=True)  # R: the next backward writes fresh gradients, no zeroing kernels
-        return torch.stack(losses).mean()
 
-    if args.warmup_steps > 0:  # compile and warm kernels on real shapes, then forget it happened
-        snapshot = copy.deepcopy(training_state(model, opt, stream, 0))
-        for step in range(args.warmup_steps):
-            train_step(step)
-        evaluate(compiled, val_seqs[:1], window_of(0), rt)
-        restore_training_state(snapshot, model, opt, stream, rt)
-        del snapshot
-    start_step = 0
-    if checkpoint is not None:
-        start_step = restore_training_state(load_checkpoint(checkpoint, args, rt, log), model, opt, stream, rt)
-        log.write(f"resumed from {checkpoint} at step {start_step}")
+def train_step(t: Trainer, step: int) -> Tensor:
+    """One optimizer step over accum micro-batches; returns this rank's mean loss (on the device)."""
+    args, windows = t.args, t.windows(step)
+    losses = []
+    for i, (x, y) in enumerate(t.loader.next_batch()):
+        t.opt.sync.arm(i == t.accum - 1)
+        loss = t.compiled(x, y, windows)
+        loss.backward()
+        losses.append(loss.detach())
+    t.opt.step(lr_multiplier(step, args.num_iterations, args.cooldown_frac, args.lr_final_frac),
+               muon_momentum(step, args.muon_momentum_warmup_steps, args.muon_momentum_start, args.muon_momentum))
+    t.model.zero_grad(set_to_none=True)  # R: the next backward writes fresh gradients, no zeroing kernels
+    return torch.stack(losses).mean()
 
-    energy = EnergyMeter.open(rt)
-    recompiles = RecompileWatch().start()
-    stop = SIGNALS.defer()
-    watch = FiniteWatch(rt.device, start_step, checkpoint)
-    checkpointing = args.checkpoint_every > 0 or args.checkpoint_final or args.stop_after > 0
-    profiler = make_profiler(args, rt, Path(args.log_dir) / f"{run_id}_rank{rt.rank}.trace.json") \
-        if args.profile_steps > 0 else None
-    if profiler is not None:
-        profiler.start()
-    val_curve, val_loss, tokens = [], float("nan"), 0
-    hellaswag_curve = []
-    training_ms = 0.0
-    rt.synchronize()
-    t0 = time.perf_counter()
-    energy.start()
-    N = args.num_iterations
+
+def warm_up(t: Trainer) -> None:
+    """Compile and warm the kernels on real shapes (training and validation), then forget it happened."""
+    if t.args.warmup_steps <= 0:
+        return
+    snapshot = copy.deepcopy(training_state(t.model, t.opt, t.stream, 0))
+    for step in range(t.args.warmup_steps):
+        train_step(t, step)
+    evaluate(t.compiled, t.val_seqs[:1], t.windows(0), t.rt)
+    restore_training_state(snapshot, t.model, t.opt, t.stream, t.rt)
+
+
+def resume(t: Trainer, checkpoint: Path | None) -> int:
+    """The step to start from: 0, or the checkpoint's step with its full training state restored."""
+    if checkpoint is None:
+        return 0
+    step = restore_training_state(load_checkpoint(checkpoint, t.args, t.rt, t.log), t.model, t.opt, t.stream, t.rt)
+    t.log.write(f"resumed from {checkpoint} at step {step}")
+    return step
+
+
+def run_training(args: Hyperparameters, rt: Runtime, log: RunLog, accum: int, run_id: str,
+                 checkpoint: Path | None) -> int:
+    """Set-up, the untimed warm-up, then the timed loop; returns the process exit status."""
+    t = set_up(args, rt, log, accum, run_id)
+    warm_up(t)
+    return train_loop(t, resume(t, checkpoint), checkpoint)
+
+
+def due(step: int, every: int) -> bool:
+    return every > 0 and step % every == 0
+
+
+def train_loop(t: Trainer, start_step: int, checkpoint: Path | None) -> int:
+    """The record's loop: validate (and score HellaSwag) when due, checkpoint or stop when due, train."""
+    args, rt, log, N = t.args, t.rt, t.log, t.args.num_iterations
+    energy, recompiles, stop = EnergyMeter.open(rt), RecompileWatch().start(), SIGNALS.defer()
+    clock, progress, watch = Clock(rt, energy), Progress(), FiniteWatch(rt.device, start_step, checkpoint)
+    profiler = start_profiler(t)
+    clock.start()
     for step in range(start_step, N + 1):
         last = step == N
-        tokens = step * args.batch_tokens
-        if last or (args.val_every > 0 and step % args.val_every == 0):
-            rt.synchronize()
-            training_ms += 1000 * (time.perf_counter() - t0)
-            energy.stop()
-            val_loss = evaluate(compiled, val_seqs, window_of(step), rt)
-            val_curve.append([step, val_loss, training_ms])
-            joules, _ = energy.total(rt)
-            extra = f" energy:{joules:.0f}J" if joules is not None else ""
-            log.write(f"step:{step}/{N} val_loss:{val_loss:.4f} train_time:{training_ms:.0f}ms "
-                      f"step_avg:{training_ms / max(step - start_step, 1):.2f}ms{extra}")
-            if not math.isfinite(val_loss):
-                raise UsageError(f"validation loss is {val_loss} at step {step}; the run diverged "
-                                 f"(lower the learning rates and resume: {watch.hint()})")
-            rt.synchronize()
-            t0 = time.perf_counter()
-            energy.start()
-        if hellaswag_items is not None and (last or step % args.hellaswag_every == 0):
-            rt.synchronize()
-            training_ms += 1000 * (time.perf_counter() - t0)
-            energy.stop()
-            started = time.perf_counter()
-            acc, acc_norm, n = hellaswag_accuracy(model, hellaswag_items, window_of(step), rt)
-            hellaswag_curve.append([step, acc, acc_norm, n])
-            log.write(f"step:{step}/{N} hellaswag_acc:{acc:.4f} hellaswag_acc_norm:{acc_norm:.4f} "
-                      f"hellaswag_examples:{n} hellaswag_time:{1000 * (time.perf_counter() - started):.0f}ms")
-            t0 = time.perf_counter()
-            energy.start()
-        if last:
-            break
-        signum = stop.agreed(rt)
-        due = args.checkpoint_every > 0 and step > start_step and step % args.checkpoint_every == 0
-        if due or signum or (args.stop_after and step == args.stop_after):
-            training_ms += 1000 * (time.perf_counter() - t0)
-            energy.stop()
-            if checkpointing:
-                save_finite_checkpoint(watch, model, opt, stream, step, args, rt, run_id, log)
-            if signum:
-                log.write(f"stopped by signal {signal.Signals(signum).name} before step {step + 1}"
-                          + ("; resume with --resume=latest" if checkpointing else " (no checkpoints enabled)"))
-                return 128 + signum
-            if args.stop_after and step == args.stop_after:
-                log.write(f"stopped after step {step} as asked (--stop_after); resume with --resume=latest")
-                return 0
-            t0 = time.perf_counter()
-            energy.start()
-        loss = train_step(step)
+        # ---------------- VALIDATION ----------------
+        validate_now, hellaswag_now = last or due(step, args.val_every), \
+            t.hellaswag_items is not None and (last or due(step, args.hellaswag_every))
+        if validate_now or hellaswag_now:
+            clock.pause()
+            if validate_now:
+                validate(t, step, start_step, clock, progress, watch)
+            if hellaswag_now:
+                score_hellaswag(t, step, progress)
+            if last:
+                break
+            clock.start()
+        # ---------------- CHECKPOINT OR STOP ----------------
+        exit_status = checkpoint_or_stop(t, step, start_step, stop.agreed(rt), clock, watch)
+        if exit_status is not None:
+            return exit_status
+        # ---------------- TRAINING ----------------
+        loss = train_step(t, step)
         watch.observe(loss)
         for reason in recompiles.drain():
             log.write(f"warning: torch.compile recompiled after warm-up at step {step + 1}: {reason}")
         if profiler is not None:
             profiler.step()
-        now_ms = training_ms + 1000 * (time.perf_counter() - t0)
-        avg = f"step_avg:{now_ms / (step + 1 - start_step):.2f}ms"
-        if args.log_train_loss:
-            train_loss = mean_over_ranks(loss, rt)
-            if not math.isfinite(train_loss):
-                raise UsageError(f"training loss is {train_loss} at step {step + 1}; stopping (lower the learning "
-                                 f"rates and resume: {watch.hint()})")
-            log.write(f"step:{step + 1}/{N} train_loss:{train_loss:.4f} train_time:{now_ms:.0f}ms {avg}")
-        else:
-            log.write(f"step:{step + 1}/{N} train_time:{now_ms:.0f}ms {avg}")
+        log_train_step(t, step + 1, start_step, loss, clock, watch)
     if profiler is not None:
         profiler.stop()
+    return finish(t, start_step, clock, progress, watch, recompiles)
 
+
+def start_profiler(t: Trainer):
+    if t.args.profile_steps <= 0:
+        return None
+    profiler = make_profiler(t.args, t.rt, Path(t.args.log_dir) / f"{t.run_id}_rank{t.rt.rank}.trace.json")
+    profiler.start()
+    return profiler
+
+
+def validate(t: Trainer, step: int, start_step: int, clock: Clock, progress: Progress, watch: FiniteWatch) -> None:
+    """Validation loss on the whole held-out budget, logged with the training time so far."""
+    progress.val_loss = evaluate(t.compiled, t.val_seqs, t.windows(step), t.rt)
+    progress.val_curve.append([step, progress.val_loss, clock.ms])
+    joules, _ = clock.energy.total(t.rt)
+    t.log.write(progress_line(step, t.args.num_iterations, val_loss=progress.val_loss, train_time=clock.ms,
+                              step_avg=clock.ms / max(step - start_step, 1),
+                              **({"energy": joules} if joules is not None else {})))
+    if not math.isfinite(progress.val_loss):
+        raise UsageError(f"validation loss is {progress.val_loss} at step {step}; the run diverged "
+                         f"(lower the learning rates and resume: {watch.hint()})")
+
+
+def score_hellaswag(t: Trainer, step: int, progress: Progress) -> None:
+    started = time.perf_counter()
+    acc, acc_norm, n = hellaswag_accuracy(t.model, t.hellaswag_items, t.windows(step), t.rt)
+    progress.hellaswag_curve.append([step, acc, acc_norm, n])
+    t.log.write(progress_line(step, t.args.num_iterations, hellaswag_acc=acc, hellaswag_acc_norm=acc_norm,
+                              hellaswag_examples=n, hellaswag_time=1000 * (time.perf_counter() - started)))
+
+
+def checkpoint_or_stop(t: Trainer, step: int, start_step: int, signum: int | None, clock: Clock,
+                       watch: FiniteWatch) -> int | None:
+    """Before training step+1: write a checkpoint when one is due, a signal came or --stop_after is
+    reached; returns the exit status when the run stops here, None to go on."""
+    args, log = t.args, t.log
+    stop_after = args.stop_after > 0 and step == args.stop_after
+    if not (due(step, args.checkpoint_every) and step > start_step or signum or stop_after):
+        return None
+    checkpointing = args.checkpoint_every > 0 or args.checkpoint_final or args.stop_after > 0
+    with clock.paused():
+        if checkpointing:
+            save_finite_checkpoint(watch, t.model, t.opt, t.stream, step, args, t.rt, t.run_id, log)
+    if signum:
+        log.write(f"stopped by signal {signal.Signals(signum).name} before step {step + 1}"
+                  + ("; resume with --resume=latest" if checkpointing else " (no checkpoints enabled)"))
+        return 128 + signum
+    if stop_after:
+        log.write(f"stopped after step {step} as asked (--stop_after); resume with --resume=latest")
+        return 0
+    return None
+
+
+def log_train_step(t: Trainer, step: int, start_step: int, loss: Tensor, clock: Clock, watch: FiniteWatch) -> None:
+    """The step line; with --log_train_loss also the loss averaged over ranks (one device sync)."""
+    ms = clock.elapsed_ms()
+    timing = dict(train_time=ms, step_avg=ms / (step - start_step))
+    if not t.args.log_train_loss:
+        t.log.write(progress_line(step, t.args.num_iterations, **timing))
+        return
+    train_loss = mean_over_ranks(loss, t.rt)
+    if not math.isfinite(train_loss):
+        raise UsageError(f"training loss is {train_loss} at step {step}; stopping (lower the learning rates and "
+                         f"resume: {watch.hint()})")
+    t.log.write(progress_line(step, t.args.num_iterations, train_loss=train_loss, **timing))
+
+
+def finish(t: Trainer, start_step: int, clock: Clock, progress: Progress, watch: FiniteWatch,
+           recompiles: RecompileWatch) -> int:
+    """Memory, energy and final lines, end-of-run samples and checkpoint, then the JSON summary."""
+    args, rt, log, N = t.args, t.rt, t.log, t.args.num_iterations
+    tokens = N * args.batch_tokens
     peak_mib, memory_line = peak_memory_mib(rt)
-    joules, ranks = energy.total(rt)
+    joules, ranks = clock.energy.total(rt)
     log.write(memory_line)
-    log.write(energy_line(joules, ranks, energy.reason, training_ms / 1000, tokens))
-    log.write(f"final: val_loss:{val_loss:.4f} steps:{N} tokens:{tokens} train_time:{training_ms:.0f}ms")
-    samples = log_samples(model, args, window_of(N), log) if args.sample_at_end > 0 and rt.is_master else []
+    log.write(energy_line(joules, ranks, clock.energy.reason, clock.ms / 1000, tokens))
+    log.write(progress_line(None, N, val_loss=progress.val_loss, steps=N, tokens=tokens, train_time=clock.ms))
+    samples = log_samples(t.model, args, t.windows(N), log) if args.sample_at_end > 0 and rt.is_master else []
     if args.checkpoint_final:
-        save_finite_checkpoint(watch, model, opt, stream, N, args, rt, run_id, log)
+        save_finite_checkpoint(watch, t.model, t.opt, t.stream, N, args, rt, t.run_id, log)
     if rt.is_master:
         kwh = joules / 3.6e6 if joules is not None else None
-        summary = {"run_id": run_id, "git_commit": git_commit(), "preset": args.preset,
+        summary = {"run_id": t.run_id, "git_commit": git_commit(), "preset": args.preset,
                    "world_size": rt.world_size, "devices": [device_name(rt)] * rt.world_size, "steps": N,
-                   "tokens": tokens, "final_val_loss": val_loss, "train_time_ms": training_ms,
+                   "tokens": tokens, "final_val_loss": progress.val_loss, "train_time_ms": clock.ms,
                    "peak_memory_mib": peak_mib, "energy_j": joules, "energy_kwh": kwh,
-                   "tokens_per_kwh": tokens / kwh if kwh else None, "val_curve": val_curve,
-                   "recompiles_after_warmup": recompiles.count,
-                   "step_avg_ms": training_ms / max(N - start_step, 1),
-                   "runtime": {"attention": rt.attention, "fp8_head": rt.fp8_head, "compile": rt.compile,
-                               "dtype": str(rt.dtype).removeprefix("torch."), "device": str(rt.device),
-                               "grad_accum_steps": accum},
-                   "hyperparameters": dataclasses.asdict(args), "status": "finished"}
+                   "tokens_per_kwh": tokens / kwh if kwh else None, "val_curve": progress.val_curve,
+                   "recompiles_after_warmup": recompiles.count, "step_avg_ms": clock.ms / max(N - start_step, 1),
+                   "runtime": {**rt.resolved(), "grad_accum_steps": t.accum}, "hyperparameters": dataclasses.asdict(args),
+                   "status": "finished"}
         if args.hellaswag_every > 0:
-            summary["hellaswag_curve"] = hellaswag_curve  # [step, acc, acc_norm, examples]
+            summary["hellaswag_curve"] = progress.hellaswag_curve
         if args.sample_at_end > 0:
             summary["samples"] = samples
-        write_summary(Path(args.log_dir) / f"{run_id}.json", summary, log)
+        write_summary(Path(args.log_dir) / f"{t.run_id}.json", summary, log)
     return 0
 
 

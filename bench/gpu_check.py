@@ -154,9 +154,9 @@ def check_flex(T, torch) -> Row:
         out.backward(grad.to(dtype))
         return [out.detach().float(), q.grad.float(), k.grad.float(), v.grad.float()]
 
-    banded = T.SDPAAttention.build_mask(tokens, window)
-    ref = run(T.SDPAAttention.attend, banded, torch.float32)
-    sdpa = run(T.SDPAAttention.attend, banded, torch.bfloat16)
+    banded = T.BandedAttention.build_mask(tokens, window)
+    ref = run(T.BandedAttention.attend, banded, torch.float32)
+    sdpa = run(T.BandedAttention.attend, banded, torch.bfloat16)
     started = time.time()
     flex_attend = torch.compile(T.FlexAttention.attend, dynamic=False)
     flex = run(flex_attend, T.sliding_window_block_mask(tokens, window), torch.bfloat16)

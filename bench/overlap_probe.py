@@ -26,7 +26,7 @@ import train_gpt as T  # noqa: E402
 def hook_timing(compiled: bool) -> tuple[float, float, int]:
     args = T.parse_args(["--preset=cpu", "--seq_len=1024", "--zero_init=false", "--compile=off"], False)
     rt = T.Runtime(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"), dtype=torch.bfloat16,
-                   attention="sdpa", fp8_head=False, compile="off")
+                   attention="banded", fp8_head=False, compile="off")
     torch.manual_seed(0)
     model = T.build_model(args, rt)
     fired: list[float] = []

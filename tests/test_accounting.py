@@ -10,7 +10,7 @@ import torch
 import train_gpt as T
 from conftest import REPO, TINY, run_trainer
 
-CPU_RANK0 = T.Runtime(0, 0, 1, torch.device("cpu"), torch.float32, "sdpa", False, False)
+CPU_RANK0 = T.Runtime(0, 0, 1, torch.device("cpu"), torch.float32, "banded", False, False)
 
 
 class FakeNvml:
@@ -50,7 +50,7 @@ def set_energy(root, i, value):
 
 
 def test_nvml_counts_only_the_timed_region():
-    rt = T.Runtime(0, 3, 1, torch.device("cpu"), torch.float32, "sdpa", False, False)
+    rt = T.Runtime(0, 3, 1, torch.device("cpu"), torch.float32, "banded", False, False)
     nvml = FakeNvml([1_000_000, 1_500_000, 9_000_000, 9_250_000])  # start, stop, (validation), start, stop
     meter = T.EnergyMeter(T.NvmlCounter(3, nvml))
     meter.start(); meter.stop(); meter.start(); meter.stop()
@@ -72,7 +72,7 @@ def test_rapl_sums_packages_skips_subdomains_and_survives_wraparound(tmp_path):
 
 def test_rapl_is_read_by_local_rank_zero_only(tmp_path):
     root = make_powercap(tmp_path / "powercap", [(0, 2**32)])
-    other = T.Runtime(1, 1, 2, torch.device("cpu"), torch.float32, "sdpa", False, False)
+    other = T.Runtime(1, 1, 2, torch.device("cpu"), torch.float32, "banded", False, False)
     meter = T.EnergyMeter.open(other, powercap_root=root)
     assert meter.counters is None and "local rank 0" in meter.reason
 
@@ -95,7 +95,7 @@ SUM_DRIVER = textwrap.dedent('''
     import train_gpt as T
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    rt = T.Runtime(rank, rank, 2, torch.device("cpu"), torch.float32, "sdpa", False, False)
+    rt = T.Runtime(rank, rank, 2, torch.device("cpu"), torch.float32, "banded", False, False)
     meter = T.EnergyMeter(object() if rank == 0 else None, "" if rank == 0 else "no counter")  # rank 1 measures nothing
     meter.joules = 123.5 if rank == 0 else 0.0
     with open(sys.argv[1] + f"/total{{rank}}.txt", "w") as out:  # one file per rank: stdout lines interleave

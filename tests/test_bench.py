@@ -253,8 +253,8 @@ def test_gpu_check_reads_the_summary_of_a_real_run(tmp_path):
     summary = json.loads((tmp_path / "gpu_check.json").read_text())
     assert summary["step_avg_ms"] == pytest.approx(summary["train_time_ms"] / 2)
     assert summary["peak_memory_mib"] > 0 and summary["recompiles_after_warmup"] == 0
-    assert summary["runtime"] == {"attention": "sdpa", "fp8_head": False, "compile": "off", "dtype": "bfloat16",
-                                  "device": "cpu", "grad_accum_steps": 2}
+    assert summary["runtime"] == {"attention": "banded", "fp8_head": False, "compile": "off", "dtype": "bfloat16",
+                                  "device": "cpu", "chunked_loss": True, "world_size": 1, "grad_accum_steps": 2}
 
 
 def test_gpu_check_kernel_table_from_a_chrome_trace(tmp_path):

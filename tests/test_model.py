@@ -216,25 +216,25 @@ def test_backends_agree(dtype, tol):
     q, k, v = attention_inputs(n, dtype=dtype)
     for window in (1, 3, 9):
         w = torch.tensor(window)
-        sdpa = T.SDPAAttention.attend(q, k, v, T.SDPAAttention.build_mask(tokens, w), 0.12)
+        banded = T.BandedAttention.attend(q, k, v, T.BandedAttention.build_mask(tokens, w), 0.12)
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile.*")
             flex = T.FlexAttention.attend(q, k, v, T.FlexAttention.build_mask(tokens, w), 0.12)
         ref = reference_attention(q, k, v, reference_mask(tokens, window), 0.12)
-        assert sdpa.shape == flex.shape == q.shape and sdpa.dtype == flex.dtype == dtype
-        torch.testing.assert_close(sdpa.double(), ref, atol=tol, rtol=tol)
+        assert banded.shape == flex.shape == q.shape and banded.dtype == flex.dtype == dtype
+        torch.testing.assert_close(banded.double(), ref, atol=tol, rtol=tol)
         torch.testing.assert_close(flex.double(), ref, atol=tol, rtol=tol)
-        torch.testing.assert_close(flex, sdpa, atol=tol, rtol=tol)
+        torch.testing.assert_close(flex, banded, atol=tol, rtol=tol)
 
 
 def test_attention_gradient_does_not_leak():
     n = 512
     tokens = tokens_with_docs(n, [0, 100, 300, 301])
     for window in (1, 2):
-        mask = T.SDPAAttention.build_mask(tokens, torch.tensor(window))
+        mask = T.BandedAttention.build_mask(tokens, torch.tensor(window))
         allowed = reference_mask(tokens, window)
         q, k, v = (t.requires_grad_() for t in attention_inputs(n, seed=window))
-        y = T.SDPAAttention.attend(q, k, v, mask, 0.12)
+        y = T.BandedAttention.attend(q, k, v, mask, 0.12)
         for pos in (99, 100, 299, 300, 301, 383, 384, 511):
             q.grad = k.grad = v.grad = None
             y[0, pos].sum().backward(retain_graph=True)
@@ -380,7 +380,7 @@ def test_chunked_head_loss_matches_plain_loss(softcap, n, ignored):
 def test_cpu_runtime_selects_the_chunked_loss_and_the_model_matches_the_plain_one():
     args = small_args("--seq_len=256", "--zero_init=false")
     rt = T.setup_runtime(T.parse_args(["--preset=cpu"], False))
-    assert rt.chunked_loss and rt.attention == "sdpa"
+    assert rt.chunked_loss and rt.attention == "banded"
     tokens = tokens_with_docs(257, [0, 90])
     losses = []
     for chunked in (False, True):
@@ -517,7 +517,7 @@ def test_fp8_head_compiles_forward_and_backward():
 def test_small_model_learns_synthetic_documents():
     args = small_args("--seq_len=256", "--dtype=fp32", "--num_iterations=10")
     rt = T.Runtime(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"), dtype=torch.float32,
-                   attention="sdpa", fp8_head=False, compile=False)
+                   attention="banded", fp8_head=False, compile=False)
     torch.manual_seed(0)
     model = T.build_model(args, rt)
     opt = T.build_optimizers(model, args, rank=0, world_size=1, accum=1)
@@ -542,7 +542,7 @@ def test_small_model_learns_synthetic_documents():
 # ----------------------------------------------------------------------------- GPU only
 
 @needs_cuda("FlexAttention's compiled backward runs only on GPU")
-def test_flex_attention_compiled_matches_sdpa_on_cuda():
+def test_flex_attention_compiled_matches_banded_on_cuda():
     device = torch.device("cuda")
     n = 4096
     tokens = tokens_with_docs(n, [0, 700, 701, 2000, 2100, 3333]).to(device)
@@ -556,9 +556,9 @@ def test_flex_attention_compiled_matches_sdpa_on_cuda():
         flex_grads = [t.grad.clone() for t in inputs]
         for t in inputs:
             t.grad = None
-        sdpa = T.SDPAAttention.attend(*inputs, T.SDPAAttention.build_mask(tokens, w), 0.12)
-        sdpa.float().square().sum().backward()
-        torch.testing.assert_close(flex, sdpa, atol=2e-2, rtol=2e-2)
+        banded = T.BandedAttention.attend(*inputs, T.BandedAttention.build_mask(tokens, w), 0.12)
+        banded.float().square().sum().backward()
+        torch.testing.assert_close(flex, banded, atol=2e-2, rtol=2e-2)
         for a, b in zip(flex_grads, (t.grad for t in inputs)):
             assert rel_err(a, b) < 2e-2
 

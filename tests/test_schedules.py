@@ -93,7 +93,7 @@ def test_short_window_is_half_the_long_one_at_least_one_block(long, short, monke
                          "--vocab_size=64", "--seq_len=2048", "--val_seq_len=2048", "--val_tokens=2048"], False)
     model = T.GPT(args)
     seen = []
-    monkeypatch.setattr(model, "backend", type("Spy", (T.SDPAAttention,), {
+    monkeypatch.setattr(model, "backend", type("Spy", (T.BandedAttention,), {
         "build_mask": staticmethod(lambda tokens, w: seen.append(int(w)) or T.banded_window_mask(tokens, w))}))
     tokens = torch.randint(0, 64, (2048,))
     model(tokens, tokens, torch.tensor(long))
@@ -165,7 +165,7 @@ def test_seq_len_not_multiple_of_block_refused(arg):
         T.parse_args(["--preset=cpu", arg], False)
 
 
-@pytest.mark.parametrize("arg, match", [("--dtype=fp16", "bf16, fp32"), ("--attention=xformers", "flex, sdpa"),
+@pytest.mark.parametrize("arg, match", [("--dtype=fp16", "bf16, fp32"), ("--attention=xformers", "flex, banded"),
                                         ("--n_layer=3", "even depth"), ("--num_iterations=0", "at least 1")])
 def test_other_invalid_settings_refused(arg, match):
     with pytest.raises(T.UsageError, match=match):

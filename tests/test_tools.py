@@ -34,7 +34,7 @@ def random_model(dtype="fp32", seed=0):
     """Random weights everywhere (no zero-initialised projections): every path through the model matters."""
     args = model_args("--zero_init=false", f"--dtype={dtype}")
     rt = T.Runtime(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"),
-                   dtype=torch.float32 if dtype == "fp32" else torch.bfloat16, attention="sdpa", fp8_head=False,
+                   dtype=torch.float32 if dtype == "fp32" else torch.bfloat16, attention="banded", fp8_head=False,
                    compile="off")
     torch.manual_seed(seed)
     model = T.build_model(args, rt).eval()
@@ -222,7 +222,7 @@ def unigram_model(enc):
     the head sees one hidden state everywhere; its rows for the good words stand out."""
     args = T.parse_args(TINY, False)
     rt = T.Runtime(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"), dtype=torch.bfloat16,
-                   attention="sdpa", fp8_head=False, compile="off")
+                   attention="banded", fp8_head=False, compile="off")
     model = T.build_model(args, rt).eval()
     with torch.no_grad():
         model.embed.weight.fill_(1.0)

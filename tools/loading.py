@@ -90,7 +90,7 @@ def build(args: T.Hyperparameters, state: dict, step: int, device: torch.device,
     check_weights_fit(state, args, source)
     rt = T.Runtime(rank=0, local_rank=0, world_size=1, device=device,
                    dtype=torch.bfloat16 if args.dtype == "bf16" else torch.float32,
-                   attention="sdpa", fp8_head=False, compile="off")
+                   attention="banded", fp8_head=False, compile="off")
     model = T.build_model(args, rt)
     try:
         model.load_state_dict(state)
