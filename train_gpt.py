@@ -855,25 +855,25 @@ class GPT(nn.Module):
         self.lm_head = CastedLinear(args.model_dim, next_multiple(args.vocab_size, 128), zero_init=args.zero_init,
                                     fp8=fp8_head)
 
-    def forward(self, tokens: Tensor, targets: Tensor, window_blocks: Tensor) -> Tensor:
-        """Mean cross-entropy of one flat sequence (T,) of documents; window_blocks is the long window."""
+    def forward(self, tokens: Tensor, targets: Tensor, windows: Tensor) -> Tensor:
+        """Mean cross-entropy of one flat sequence (T,) of documents. windows: the (long, short) window
+        sizes in blocks, a (2,) tensor from the schedule (attention_windows)."""
         if tokens.numel() % BLOCK_SIZE:
             raise UsageError(f"sequence length {tokens.numel()} is not a multiple of the {BLOCK_SIZE}-token block")
         if not torch.compiler.is_compiling():
-            check_model_inputs(tokens, targets, window_blocks, self.vocab_size)
+            check_model_inputs(tokens, targets, windows, self.vocab_size)
         if self.chunked_loss:
-            return chunked_head_loss(self.final_hidden(tokens, window_blocks)[0], self.lm_head.weight, targets,
+            return chunked_head_loss(self.final_hidden(tokens, windows)[0], self.lm_head.weight, targets,
                                      self.softcap, self.chunk_loss_fn)
-        return self.loss_fn(self.logits(tokens, window_blocks), targets, self.softcap)
+        return self.loss_fn(self.logits(tokens, windows), targets, self.softcap)
 
-    def logits(self, tokens: Tensor, window_blocks: Tensor) -> Tensor:
+    def logits(self, tokens: Tensor, windows: Tensor) -> Tensor:
         """Head outputs (1, T, padded vocab) before the softcap: the forward pass without the loss."""
-        return self.lm_head(self.final_hidden(tokens, window_blocks))
+        return self.lm_head(self.final_hidden(tokens, windows))
 
-    def final_hidden(self, tokens: Tensor, window_blocks: Tensor) -> Tensor:
+    def final_hidden(self, tokens: Tensor, windows: Tensor) -> Tensor:
         """The normed residual stream (1, T, model_dim) the head reads."""
-        masks = {True: self.backend.build_mask(tokens, window_blocks),
-                 False: self.backend.build_mask(tokens, short_window_blocks(window_blocks))}
+        masks = {True: self.backend.build_mask(tokens, windows[0]), False: self.backend.build_mask(tokens, windows[1])}
         return rms_norm(self.trunk(tokens, [masks[long] for long in self.roles.long_window], self.backend))
 
     def trunk(self, tokens: Tensor, layer_masks: list, backend, offset: int = 0) -> Tensor:
@@ -907,11 +907,6 @@ class GPT(nn.Module):
         return next(block.attn.rotary.cos.size(0) for block in self.blocks if block.attn is not None)
 
 
-def short_window_blocks(window_blocks: Tensor) -> Tensor:
-    """The short-window layers see half the long window, at least one block."""
-    return torch.clamp_min(window_blocks // 2, 1)
-
-
 class KVCache:
     """Keys and values of every attention layer for one growing sequence: the attention backend of GPT.decode.
 
@@ -920,14 +915,14 @@ class KVCache:
     (causal, same document, within the layer's long or short window), exactly as in the full forward.
     """
 
-    def __init__(self, model: GPT, window_blocks: int, max_len: int | None = None):
+    def __init__(self, model: GPT, windows: Tensor, max_len: int | None = None):
         self.max_len = model.context_len if max_len is None else max_len
         if self.max_len > model.context_len:
             raise UsageError(f"a cache of {self.max_len} positions exceeds the model's {model.context_len}-token "
                              "context")
         device = model.embed.weight.device
-        long = torch.tensor(window_blocks, dtype=torch.int64, device=device)
-        self.windows = [long if is_long else short_window_blocks(long) for is_long in model.roles.long_window]
+        windows = windows.to(device)
+        self.windows = [windows[0] if is_long else windows[1] for is_long in model.roles.long_window]
         self.window_sizes = [int(w) for w in self.windows]  # host copies: no device sync per token
         self.keys: list[Tensor | None] = [None] * len(model.blocks)
         self.values: list[Tensor | None] = [None] * len(model.blocks)
@@ -1044,11 +1039,13 @@ def chunked_head_loss(h: Tensor, weight: Tensor, targets: Tensor, softcap: float
     return total / count
 
 
-def check_model_inputs(tokens: Tensor, targets: Tensor, window_blocks: Tensor, vocab_size: int) -> None:
+def check_model_inputs(tokens: Tensor, targets: Tensor, windows: Tensor, vocab_size: int) -> None:
     """Eager-mode guards that would otherwise surface as a wrong mask, a trained padding logit or a
     device-side assert. Targets may hold -100, cross_entropy's ignore index."""
-    if int(window_blocks) < 1:
-        raise UsageError(f"attention window of {int(window_blocks)} blocks is below one {BLOCK_SIZE}-token block")
+    if windows.shape != (2,):
+        raise ValueError(f"windows must be the (long, short) pair of window sizes, got shape {tuple(windows.shape)}")
+    if int(windows.min()) < 1:
+        raise UsageError(f"attention window of {int(windows.min())} blocks is below one {BLOCK_SIZE}-token block")
     top = int(tokens.max())
     if top >= vocab_size or int(tokens.min()) < 0:
         raise UsageError(f"token id {top if top >= vocab_size else int(tokens.min())} is outside the vocabulary "
@@ -1394,25 +1391,36 @@ def muon_momentum(step: int, warmup_steps: int, start: float, end: float) -> flo
     return (1 - frac) * start + frac * end
 
 
-def window_blocks(step: int, args: Hyperparameters) -> int:
-    """Long-window size in blocks: grows linearly to window_final_tokens, rounded up to whole blocks."""
+def attention_windows(step: int, args: Hyperparameters) -> tuple[int, int]:
+    """(long, short) attention windows in blocks at a step. R: the long window grows linearly to
+    window_final_tokens, rounded up to whole blocks; the short-window layers see half of it."""
     if not args.sliding_window:
-        return max(args.seq_len, args.val_seq_len) // BLOCK_SIZE
+        return window_pair(max(args.seq_len, args.val_seq_len) // BLOCK_SIZE)
     tokens = max(next_multiple(args.window_final_tokens * step / args.num_iterations, BLOCK_SIZE), BLOCK_SIZE)
-    return tokens // BLOCK_SIZE
+    return window_pair(tokens // BLOCK_SIZE)
+
+
+def window_pair(long_blocks: int) -> tuple[int, int]:
+    """A long window and its short one: half of it, at least one block."""
+    return long_blocks, max(long_blocks // 2, 1)
+
+
+def window_tensor(long_blocks: int, device: torch.device | str | None = None) -> Tensor:
+    """The model's windows input, (long, short) in blocks, for a fixed long window (the tools, tests)."""
+    return torch.tensor(window_pair(long_blocks), dtype=torch.int64, device=device)
 
 
 class WindowTensors:
-    """window_blocks of every step as a device tensor made once at start-up, so that a training step
-    never copies the window from the host (a copy that would wait for the device)."""
+    """attention_windows of every step as device tensors made once at start-up, so that a training
+    step never copies the windows from the host (a copy that would wait for the device)."""
 
     def __init__(self, args: Hyperparameters, device: torch.device):
         self.args = args
-        values = sorted({window_blocks(step, args) for step in range(args.num_iterations + 1)})
-        self.tensors = {v: torch.tensor(v, dtype=torch.int64, device=device) for v in values}
+        pairs = {attention_windows(step, args) for step in range(args.num_iterations + 1)}
+        self.tensors = {pair: torch.tensor(pair, dtype=torch.int64, device=device) for pair in pairs}
 
     def __call__(self, step: int) -> Tensor:
-        return self.tensors[window_blocks(step, self.args)]
+        return self.tensors[attention_windows(step, self.args)]
 
 
 # -----------------------------------------------------------------------------
@@ -2105,7 +2113,7 @@ def hellaswag_accuracy(model: GPT, items: list, window: Tensor, rt: Runtime) -> 
     """(acc, acc_norm, examples) over every rank's share, the counts summed like evaluate()'s losses."""
     from tools import hellaswag
     model.eval()
-    result = hellaswag.score(model, items, int(window))
+    result = hellaswag.score(model, items, int(window[0]))
     counts = torch.tensor([result.correct, result.correct_norm, result.examples], dtype=torch.float64,
                           device=rt.device)
     if rt.world_size > 1:
@@ -2119,7 +2127,7 @@ def log_samples(model: GPT, args: Hyperparameters, window: Tensor, log: RunLog) 
     """--sample_at_end: short samples from the final model, one JSON-quoted line each."""
     from tools.sample import end_of_run_samples
     model.eval()
-    texts = end_of_run_samples(model, args.sample_at_end, int(window), args.seed)
+    texts = end_of_run_samples(model, args.sample_at_end, int(window[0]), args.seed)
     model.train()
     for i, text in enumerate(texts):
         log.write(f"sample {i + 1}/{len(texts)}: {json.dumps(text)}")

@@ -44,14 +44,14 @@ def test_speedrun_model_traces_as_one_graph_with_flex_and_fp8():
     assert args.n_layer == 12 and model.lm_head.fp8 and model.backend is T.FlexAttention
     model.train()  # the FP8 head is used in training mode only
     tokens = documents(SEQ + 1, [0, 300, 301, 900])
-    window = torch.tensor(3)
+    window = T.window_tensor(3)
     compiled = torch.compile(model, fullgraph=True, backend="aot_eager", dynamic=False)
     with torch.no_grad():  # FlexAttention's backward has no CPU kernel; the forward graph is the test
         got = compiled(tokens[:-1], tokens[1:], window)
         eager = model(tokens[:-1], tokens[1:], window)
         # A new window value is the same graph: the window is a tensor, never a guarded Python int.
         watch = T.RecompileWatch().start()
-        compiled(tokens[:-1], tokens[1:], torch.tensor(7))
+        compiled(tokens[:-1], tokens[1:], T.window_tensor(7))
     assert torch.isfinite(got) and abs(got.item() - 10.83) < 1.0, got
     torch.testing.assert_close(got, eager, rtol=1e-3, atol=1e-3)
     assert watch.count == 0, watch.drain()

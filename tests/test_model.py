@@ -64,7 +64,7 @@ def test_fresh_model_loss_is_log_vocab():
     tokens = torch.randint(0, args.vocab_size, (257,), generator=torch.Generator().manual_seed(1))
     tokens[[0, 40, 130]] = EOT
     with torch.no_grad():
-        loss = model(tokens[:-1], tokens[1:], torch.tensor(1))
+        loss = model(tokens[:-1], tokens[1:], T.window_tensor(1))
     # zero-init head -> logits 0 -> softcap 30*sigmoid(0) = 15 for all 50304 -> uniform distribution
     assert loss.item() == pytest.approx(math.log(50304), abs=1e-4)
     assert math.log(50304) == pytest.approx(10.8258, abs=1e-4)
@@ -342,7 +342,7 @@ def test_model_gradient_does_not_cross_documents_or_windows(n_layer, window, far
         captured.clear()
         targets = torch.full((512,), -100)
         targets[pos] = tokens[pos + 1]  # the loss of this one position (cross_entropy ignores -100)
-        model(tokens[:-1], targets, torch.tensor(window)).backward()
+        model(tokens[:-1], targets, T.window_tensor(window)).backward()
         touched = captured[0].grad.abs().sum(-1) != 0
         assert not (touched & ~reach[pos]).any(), (pos, torch.nonzero(touched & ~reach[pos]).flatten()[:10])
         assert touched[pos] and touched.sum() >= 0.95 * reach[pos].sum(), pos
@@ -386,7 +386,7 @@ def test_cpu_runtime_selects_the_chunked_loss_and_the_model_matches_the_plain_on
     for chunked in (False, True):
         torch.manual_seed(0)
         model = T.GPT(args, chunked_loss=chunked)
-        loss = model(tokens[:-1], tokens[1:], torch.tensor(2))
+        loss = model(tokens[:-1], tokens[1:], T.window_tensor(2))
         loss.backward()
         losses.append((loss.item(), model.lm_head.weight.grad.clone(), model.embed.weight.grad.float()))
     assert losses[1][0] == pytest.approx(losses[0][0], abs=1e-5)
@@ -400,16 +400,16 @@ def test_bad_model_input_refused():
     model = T.GPT(small_args("--seq_len=256"))
     ok = torch.randint(0, 50257, (256,))
     with pytest.raises(T.UsageError, match="sequence length 200 is not a multiple of the 128-token block"):
-        model(ok[:200], ok[:200], torch.tensor(1))
+        model(ok[:200], ok[:200], T.window_tensor(1))
     bad = ok.clone()
     bad[17] = 50257
     with pytest.raises(T.UsageError, match=r"token id 50257 is outside the vocabulary \[0, 50257\)"):
-        model(bad, ok, torch.tensor(1))
+        model(bad, ok, T.window_tensor(1))
     bad[17] = -3
     with pytest.raises(T.UsageError, match="token id -3"):
-        model(bad, ok, torch.tensor(1))
+        model(bad, ok, T.window_tensor(1))
     with pytest.raises(T.UsageError, match="window of 0 blocks is below one 128-token block"):
-        model(ok, ok, torch.tensor(0))
+        model(ok, ok, T.window_tensor(0))
 
 
 def test_target_outside_vocab_refused():
@@ -421,7 +421,7 @@ def test_target_outside_vocab_refused():
     targets = ok.clone()
     targets[5] = 50300
     with pytest.raises(T.UsageError, match="50300"):
-        model(ok, targets, torch.tensor(1))
+        model(ok, targets, T.window_tensor(1))
 
 
 # ----------------------------------------------------------------------------- FP8 head (CPU numerics)
@@ -527,11 +527,11 @@ def test_small_model_learns_synthetic_documents():
     for step in range(args.num_iterations):
         seq = stream[(step * 48) % 160:][:257]  # a different offset each step
         opt.sync.arm(True)
-        loss = model(seq[:-1], seq[1:], torch.tensor(T.window_blocks(step, args)))
+        loss = model(seq[:-1], seq[1:], torch.tensor(T.attention_windows(step, args)))
         loss.backward()
         opt.step(T.lr_multiplier(step, args.num_iterations, args.cooldown_frac, args.lr_final_frac),
                  T.muon_momentum(step, args.muon_momentum_warmup_steps, args.muon_momentum_start,
-                                 args.muon_momentum), args)
+                                 args.muon_momentum))
         model.zero_grad(set_to_none=False)
         losses.append(loss.item())
     assert losses[0] == pytest.approx(math.log(50304), abs=1e-3)
@@ -588,7 +588,7 @@ def test_speedrun_model_compiled_step_on_cuda():
     model = T.build_model(args, rt)
     compiled = torch.compile(model, dynamic=False)
     tokens = tokens_with_docs(args.seq_len + 1, range(0, args.seq_len, 3000)).to(device)
-    loss = compiled(tokens[:-1], tokens[1:], torch.tensor(T.window_blocks(900, args), device=device))
+    loss = compiled(tokens[:-1], tokens[1:], torch.tensor(T.attention_windows(900, args), device=device))
     loss.backward()
     assert loss.item() == pytest.approx(math.log(50304), abs=1e-2)
     grads = [p.grad for p in model.parameters() if p.grad is not None]

@@ -92,7 +92,7 @@ def backward(model, opt, args, seed):
     """One real micro-step; returns the gradients it left, by parameter name."""
     x, y = batch(seed, args)
     opt.sync.arm(True)
-    model(x, y, torch.tensor(1)).backward()
+    model(x, y, T.window_tensor(1)).backward()
     return {n: p.grad.detach().float().clone() for n, p in model.named_parameters()}
 
 

@@ -62,12 +62,12 @@ def reference_window_blocks(step, n=1770, final=1728):
 ])
 def test_window_blocks_speedrun(step, expected):
     args = speedrun()
-    assert T.window_blocks(step, args) == expected == reference_window_blocks(step)
+    assert T.attention_windows(step, args)[0] == expected == reference_window_blocks(step)
 
 
 def test_window_blocks_every_step_matches_reference():
     args = speedrun()
-    got = [T.window_blocks(s, args) for s in range(1771)]
+    got = [T.attention_windows(s, args)[0] for s in range(1771)]
     assert got == [reference_window_blocks(s) for s in range(1771)]
     assert all(a <= b for a, b in zip(got, got[1:]))
 
@@ -75,12 +75,12 @@ def test_window_blocks_every_step_matches_reference():
 def test_full_window_without_sliding_window():
     args = speedrun("--sliding_window=false")
     full = max(args.seq_len, args.val_seq_len) // 128
-    assert [T.window_blocks(s, args) for s in (0, 500, 1770)] == [full] * 3
+    assert [T.attention_windows(s, args) for s in (0, 500, 1770)] == [(full, full // 2)] * 3
     # full really is the whole sequence: the dense mask then equals causal-within-document
     tokens = torch.full((512,), 7)
     tokens[[0, 200]] = T.EOT_TOKEN
-    mask = T.sliding_window_mask(tokens, torch.tensor(T.window_blocks(0, T.parse_args(
-        ["--preset=cpu", "--sliding_window=false"], False))))
+    mask = T.sliding_window_mask(tokens, torch.tensor(T.attention_windows(0, T.parse_args(
+        ["--preset=cpu", "--sliding_window=false"], False))[0]))
     docs = (tokens == T.EOT_TOKEN).cumsum(0)
     causal_doc = torch.ones(512, 512, dtype=torch.bool).tril() & (docs[:, None] == docs[None, :])
     assert torch.equal(mask, causal_doc)
@@ -88,7 +88,10 @@ def test_full_window_without_sliding_window():
 
 @pytest.mark.parametrize("long, short", [(1, 1), (2, 1), (3, 1), (7, 3), (14, 7)])
 def test_short_window_is_half_the_long_one_at_least_one_block(long, short, monkeypatch):
-    """The model builds its short-window mask with max(1, long // 2) blocks."""
+    """The schedule gives the short-window layers max(1, long // 2) blocks (the record's long // 2, which
+    we keep at least one block), and the model builds its two masks from exactly the pair it is given."""
+    assert T.window_pair(long) == (long, short)
+    assert torch.equal(T.window_tensor(long), torch.tensor([long, short]))
     args = T.parse_args(["--preset=cpu", "--n_layer=2", "--model_dim=32", "--n_head=1", "--head_dim=32",
                          "--vocab_size=64", "--seq_len=2048", "--val_seq_len=2048", "--val_tokens=2048"], False)
     model = T.GPT(args)
@@ -96,8 +99,16 @@ def test_short_window_is_half_the_long_one_at_least_one_block(long, short, monke
     monkeypatch.setattr(model, "backend", type("Spy", (T.BandedAttention,), {
         "build_mask": staticmethod(lambda tokens, w: seen.append(int(w)) or T.banded_window_mask(tokens, w))}))
     tokens = torch.randint(0, 64, (2048,))
-    model(tokens, tokens, torch.tensor(long))
+    model(tokens, tokens, T.window_tensor(long))
     assert sorted(seen) == sorted([long, short])
+
+
+def test_every_step_has_its_window_pair_as_a_device_tensor():
+    args = speedrun()
+    windows = T.WindowTensors(args, torch.device("cpu"))
+    for step in (0, 1, 600, 1770):
+        assert windows(step).tolist() == list(T.window_pair(reference_window_blocks(step)))
+    assert windows(5) is windows(6)  # made once: the same tensor object while the window stays put
 
 
 # ----------------------------------------------------------------------------- command line

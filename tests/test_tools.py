@@ -91,8 +91,8 @@ def test_cached_decoding_gives_the_full_forward_logits(window):
     model = random_model()
     tokens = torch.tensor(prompt_with_documents(512, [0, 150, 151, 300]))
     with torch.no_grad():
-        full = model.logits(tokens, torch.tensor(window))[0]
-    cache = T.KVCache(model, window)
+        full = model.logits(tokens, T.window_tensor(window))[0]
+    cache = T.KVCache(model, T.window_tensor(window))
     got = [model.decode(tokens[:100], cache)]
     got += [model.decode(tokens[i:i + 1], cache) for i in range(100, 512)]
     expected = torch.cat([full[99:100], full[100:512]])
@@ -122,7 +122,7 @@ def test_a_new_token_attends_only_to_its_window(monkeypatch):
     attend = T.dense_attention
     monkeypatch.setattr(T, "dense_attention",
                         lambda q, k, v, mask, scale: seen.append(k.shape[1]) or attend(q, k, v, mask, scale))
-    cache = T.KVCache(model, 2)
+    cache = T.KVCache(model, T.window_tensor(2))
     tokens = torch.tensor(prompt_with_documents(500, [0]))
     model.decode(tokens[:1], cache)
     seen.clear()
@@ -250,7 +250,7 @@ def test_packed_ending_losses_match_one_forward_per_candidate(monkeypatch):
     model = random_model()
     rows = [row for rows, _ in H.tokenized(H.read_examples(FIXTURE), loading.gpt2_tokenizer(), 512)
             for row in rows]
-    window = torch.tensor(2)
+    window = T.window_tensor(2)
     packed = H.ending_losses(model, rows, window, pack_tokens=512)
     for row, losses in zip(rows, packed):
         tokens = sample.padded(row.tokens, torch.device("cpu"))
@@ -342,7 +342,7 @@ def test_export_round_trip_is_bit_identical(checkpoint, tmp_path):
     assert a.keys() == b.keys() and all(a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]) for k in a)
     assert rebuilt.args == original.args and rebuilt.window_blocks == original.window_blocks
     tokens = torch.tensor(prompt_with_documents(256, [0, 99]))
-    window = torch.tensor(original.window_blocks)
+    window = T.window_tensor(original.window_blocks)
     with torch.no_grad():
         assert torch.equal(original.model.logits(tokens, window), rebuilt.model.logits(tokens, window))
 

@@ -189,7 +189,7 @@ def score(model: T.GPT, items: list[tuple[list[Candidate], int]], window_blocks:
     """acc and acc_norm over tokenized examples (ties go to the first ending)."""
     device = model.embed.weight.device
     pack_tokens = min(pack_tokens, model.context_len)
-    window = torch.tensor(window_blocks, device=device)
+    window = T.window_tensor(window_blocks, device)
     flat = [row for rows, _ in items for row in rows]
     losses = ending_losses(model, flat, window, pack_tokens)
     predictions, correct, correct_norm = [], 0, 0

@@ -99,7 +99,7 @@ def build(args: T.Hyperparameters, state: dict, step: int, device: torch.device,
         raise T.UsageError(f"{source}: the weights do not fit the model its hyperparameters describe ({detail})") \
             from None
     model.eval()
-    windows = {"step": T.window_blocks(step, args), "final": T.window_blocks(args.num_iterations, args)}
+    windows = {"step": T.attention_windows(step, args)[0], "final": T.attention_windows(args.num_iterations, args)[0]}
     return LoadedModel(model=model, args=args, step=step, window_blocks=windows[window], source=source)
 
 

@@ -68,9 +68,9 @@ def generate(model: T.GPT, prompt: list[int], max_new_tokens: int, window_blocks
     draw = lambda logits: next_token(logits, model.vocab_size, model.softcap, temperature, top_k, generator)
     out: list[int] = []
     if kv_cache:
-        cache = T.KVCache(model, window_blocks, max_len=len(prompt) + max_new_tokens)
+        cache = T.KVCache(model, T.window_tensor(window_blocks), max_len=len(prompt) + max_new_tokens)
         logits = model.decode(torch.tensor(prompt, device=device), cache)
-    window = torch.tensor(window_blocks, device=device)
+    window = T.window_tensor(window_blocks, device)
     for i in range(max_new_tokens):
         if not kv_cache:  # the reference: the ordinary forward over the whole prefix, every token
             sequence = prompt + out
