@@ -193,19 +193,18 @@ def check_kernels(torch) -> list[Row]:
 # (c) the speedrun preset, timed
 
 def write_shard(path: Path, n_tokens: int, seed: int) -> None:
-    """A FineWeb-format shard (256 int32 header: magic, version, count; then uint16 tokens) of random
-    tokens, split into documents of random length, each starting with the EOT token 50256."""
+    """A shard in the one format data/shardio.py defines, of random tokens split into documents of
+    random length, each starting with the EOT token 50256."""
     import numpy as np
+    if str(REPO) not in sys.path:
+        sys.path.insert(0, str(REPO))
+    from data import shardio
     rng = np.random.default_rng(seed)
     tokens = rng.integers(0, 50256, size=n_tokens, dtype=np.uint16)
     starts = np.cumsum(rng.geometric(1 / 1000, size=n_tokens // 200 + 2))
     tokens[0] = 50256
     tokens[starts[starts < n_tokens]] = 50256
-    header = np.zeros(256, dtype="<i4")
-    header[:3] = (20240520, 1, n_tokens)
-    with open(path, "wb") as f:
-        f.write(header.tobytes())
-        f.write(tokens.astype("<u2").tobytes())
+    shardio.write_shard(path, tokens)
 
 
 def kernel_table(trace_path: Path, top: int = 15) -> dict:

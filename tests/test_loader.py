@@ -4,14 +4,19 @@ import pytest
 import torch
 
 import train_gpt as T
+from data import shardio
 
 VOCAB = 50257
 
 
-def write_shard(path, tokens, magic=20240520, version=1, count=None):
-    header = np.zeros(256, dtype="<i4")
-    header[:3] = magic, version, len(tokens) if count is None else count
-    path.write_bytes(header.tobytes() + np.asarray(tokens, dtype="<u2").tobytes())
+def write_shard(path, tokens, magic=None, version=None, count=None):
+    """A shard written by data/shardio.py (the format's one definition), then damaged as asked."""
+    shardio.write_shard(path, np.asarray(tokens))
+    header = np.frombuffer(path.read_bytes()[:shardio.HEADER_BYTES], dtype="<i4").copy()
+    for i, value in enumerate((magic, version, count)):
+        if value is not None:
+            header[i] = value
+    path.write_bytes(header.tobytes() + path.read_bytes()[shardio.HEADER_BYTES:])
     return path
 
 
@@ -26,6 +31,22 @@ def doc_tokens(n, seed=0, mean_doc=40):
 
 def test_shard_token_count_reads_a_valid_header(tmp_path):
     assert T.shard_token_count(write_shard(tmp_path / "a.bin", range(1000))) == 1000
+
+
+def test_the_trainer_reads_exactly_what_the_data_writer_writes(tmp_path):
+    """train_gpt.py keeps its own reader (it runs as one file): byte for byte the format shardio defines."""
+    assert (T.SHARD_MAGIC, T.SHARD_VERSION, T.HEADER_BYTES) == (shardio.MAGIC, shardio.VERSION, shardio.HEADER_BYTES)
+    tokens = doc_tokens(5000, seed=4)
+    path = tmp_path / "w.bin"
+    shardio.write_shard(path, tokens)
+    assert path.read_bytes() == shardio.make_header(5000) + tokens.astype("<u2").tobytes()
+    assert T.shard_token_count(path) == shardio.check_shard(path) == 5000
+    assert np.array_equal(T.load_shard(path, VOCAB), shardio.read_tokens(path))
+    for damage in (dict(magic=1), dict(version=2), dict(count=4999), dict(count=5001)):
+        bad = write_shard(tmp_path / "bad.bin", tokens, **damage)
+        assert shardio.shard_problem(bad) is not None, damage
+        with pytest.raises(T.UsageError):
+            T.shard_token_count(bad)
 
 
 @pytest.mark.parametrize("case, message", [
