@@ -32,6 +32,8 @@ import signal
 import subprocess
 import sys
 import time
+import types
+import typing
 import uuid
 from dataclasses import dataclass, fields
 from datetime import timedelta
@@ -50,7 +52,38 @@ BLOCK_SIZE = 128  # attention mask granularity and window unit, in tokens
 
 
 class UsageError(Exception):
-    """An expected bad condition (flag, data, checkpoint): reported as one line, no traceback."""
+    """An expected bad condition (flag, data, checkpoint, file, environment): reported as one line that
+    says what to do, no traceback. The one user-error type of every program in this repository."""
+
+    def __init__(self, message: str = "", retryable: bool = False):
+        super().__init__(message)
+        self.retryable = retryable  # trying the same thing again may work (a download that timed out)
+
+
+# Exit statuses, the same for every program here (README, "Exit statuses"); 128 + N: stopped by signal N.
+EXIT_OK = 0
+EXIT_SOME_FAILED = 1  # a program that runs many jobs (bench/ablation.py) finished, but some of them failed
+EXIT_USAGE = 2  # a UsageError: the one-line message says what to fix
+EXIT_PEER_LOST = 3  # a collective failed: another rank died or stopped answering
+
+
+def one_line(text: object, limit: int = 1000) -> str:
+    """Whitespace collapsed and cut to limit characters: how an error is printed."""
+    s = " ".join(str(text).split())
+    return s if len(s) <= limit else s[:limit - 1] + "…"
+
+
+def run_cli(main, interrupted: str = "nothing was lost") -> int:
+    """How every program outside the trainer ends: a UsageError is one 'error: ...' line and EXIT_USAGE,
+    Ctrl-C one line and 130 (128 + SIGINT)."""
+    try:
+        return main()
+    except UsageError as e:
+        print(f"error: {one_line(e)}", file=sys.stderr, flush=True)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print(f"error: interrupted; {interrupted}", file=sys.stderr, flush=True)
+        return 128 + signal.SIGINT
 
 
 # -----------------------------------------------------------------------------
@@ -154,20 +187,43 @@ PRESETS = {
 }
 
 
-def parse_value(kind: type, text: str):
-    if kind is bool:
+@dataclass(frozen=True)
+class FieldType:
+    """How the command line sets a hyperparameter: its kind, and whether 'none' sets it to None."""
+    kind: type  # bool | int | float | str
+    optional: bool = False  # annotated `kind | None`
+
+    def __str__(self) -> str:
+        return self.kind.__name__ + (" or none" if self.optional else "")
+
+
+def field_types(cls: type = Hyperparameters) -> dict[str, FieldType]:
+    """Every field's FieldType, read from its annotation: bool, int, float, str, or one of them | None.
+    Any other annotation is refused in one line (the command line could not set it)."""
+    hints = typing.get_type_hints(cls)
+    out = {}
+    for f in fields(cls):
+        hint = hints[f.name]
+        parts = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
+        kinds = [k for k in parts if k is not type(None)]
+        if len(kinds) != 1 or kinds[0] not in (bool, int, float, str):
+            raise UsageError(f"hyperparameter {f.name} is annotated {hint}, which the command line cannot set: "
+                             "use bool, int, float, str, or one of them | None")
+        out[f.name] = FieldType(kinds[0], optional=len(parts) > len(kinds))
+    return out
+
+
+def parse_value(ftype: FieldType, text: str):
+    if ftype.optional and text.lower() == "none":
+        return None
+    if ftype.kind is bool:
         lowered = text.lower()
         if lowered in ("1", "true", "yes", "on"):
             return True
         if lowered in ("0", "false", "no", "off"):
             return False
         raise ValueError("expected true/false")
-    return kind(text)
-
-
-def field_types() -> dict[str, type]:
-    kinds = {"bool": bool, "int": int, "float": float, "str": str}
-    return {f.name: kinds[f.type] for f in fields(Hyperparameters)}
+    return ftype.kind(text)
 
 
 def parse_args(argv: list[str], cuda_available: bool) -> Hyperparameters:
@@ -179,13 +235,13 @@ def parse_args(argv: list[str], cuda_available: bool) -> Hyperparameters:
         if not arg.startswith("--") or name not in types:
             raise UsageError(f"unknown argument {arg!r}; valid: " + " ".join(f"--{n}=" for n in types))
         if not sep:
-            if types[name] is not bool:
-                raise UsageError(f"--{name} needs a value: --{name}=<{types[name].__name__}>")
+            if types[name].kind is not bool:
+                raise UsageError(f"--{name} needs a value: --{name}=<{types[name]}>")
             text = "true"
         try:
             overrides[name] = parse_value(types[name], text)
         except ValueError:
-            raise UsageError(f"bad value {text!r} for --{name}: expected {types[name].__name__}") from None
+            raise UsageError(f"bad value {text!r} for --{name}: expected {types[name]}") from None
     preset = overrides.get("preset", "auto")
     if preset == "auto":
         preset = "speedrun" if cuda_available else "cpu"
@@ -2457,7 +2513,7 @@ def main(argv: list[str] | None = None) -> int:
         return train(sys.argv[1:] if argv is None else argv)
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
-        return 2
+        return EXIT_USAGE
     except Interrupted as e:
         print(f"error: stopped by signal {signal.Signals(e.signum).name} before the first training step; nothing "
               "was trained or saved: run again (or resume from the last checkpoint)", file=sys.stderr, flush=True)
@@ -2468,7 +2524,7 @@ def main(argv: list[str] | None = None) -> int:
         reason = str(e).strip().splitlines()[-1][:300]
         print(f"error: a collective failed on rank {os.environ.get('RANK', '0')} ({reason}); another rank died or "
               "stopped answering: see its output, then resume from the last checkpoint", file=sys.stderr, flush=True)
-        return 3
+        return EXIT_PEER_LOST
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

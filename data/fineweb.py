@@ -38,6 +38,7 @@ from typing import Iterable, Iterator
 import numpy as np
 
 import shardio
+from train_gpt import UsageError, one_line, run_cli  # shardio puts the repository root on sys.path
 
 EOT = 50256  # <|endoftext|>, prepended to every document
 DATA_DIR = Path(__file__).resolve().parent
@@ -53,10 +54,6 @@ FINEWEB = {
 TEXT_DOCS = ("file", "line", "blank_line")
 
 
-class UserError(Exception):
-    """Reported as one line on stderr, exit status 1."""
-
-
 # --- document sources ------------------------------------------------------------------------
 
 
@@ -64,7 +61,7 @@ def _open_text(path: Path):
     try:
         return open(path, encoding="utf-8")
     except OSError as e:
-        raise UserError(f"cannot read {path}: {e.strerror or e}") from e
+        raise UsageError(f"cannot read {path}: {e.strerror or e}") from e
 
 
 def docs_from_text(path: Path, mode: str) -> Iterator[str]:
@@ -100,12 +97,12 @@ def docs_from_jsonl(path: Path, field: str) -> Iterator[str]:
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as e:
-                raise UserError(f"{path}:{lineno}: not valid JSON ({e.msg})") from e
+                raise UsageError(f"{path}:{lineno}: not valid JSON ({e.msg})") from e
             if not isinstance(record, dict) or field not in record:
-                raise UserError(f"{path}:{lineno}: no {field!r} field (choose one with --text_field)")
+                raise UsageError(f"{path}:{lineno}: no {field!r} field (choose one with --text_field)")
             text = record[field]
             if not isinstance(text, str):
-                raise UserError(f"{path}:{lineno}: field {field!r} is {type(text).__name__}, not a string")
+                raise UsageError(f"{path}:{lineno}: field {field!r} is {type(text).__name__}, not a string")
             if text:
                 yield text
 
@@ -114,7 +111,7 @@ def _pyarrow_parquet(path: Path):
     try:
         import pyarrow.parquet as pq
     except ImportError as e:
-        raise UserError(f"reading {path.name} needs pyarrow ({e}); pip install -r requirements-extras.txt") from e
+        raise UsageError(f"reading {path.name} needs pyarrow ({e}); pip install -r requirements-extras.txt") from e
     return pq
 
 
@@ -123,15 +120,15 @@ def docs_from_parquet(path: Path, field: str) -> Iterator[str]:
     try:
         pf = pq.ParquetFile(path)
     except Exception as e:  # noqa: BLE001 - pyarrow raises several types for unreadable files
-        raise UserError(f"cannot read {path} as Parquet: {shardio.one_line(e, 120)}") from e
+        raise UsageError(f"cannot read {path} as Parquet: {one_line(e, 120)}") from e
     if field not in pf.schema_arrow.names:
-        raise UserError(f"{path} has no column {field!r} (columns: {', '.join(pf.schema_arrow.names)}); use --text_field")
+        raise UsageError(f"{path} has no column {field!r} (columns: {', '.join(pf.schema_arrow.names)}); use --text_field")
     for batch in pf.iter_batches(columns=[field], batch_size=1024):
         for text in batch.column(0).to_pylist():
             if text is None:
                 continue
             if not isinstance(text, str):
-                raise UserError(f"{path}: column {field!r} holds {type(text).__name__}, not strings")
+                raise UsageError(f"{path}: column {field!r} holds {type(text).__name__}, not strings")
             if text:
                 yield text
 
@@ -156,9 +153,9 @@ def docs_from_inputs(paths: list[Path], text_docs: str, text_field: str) -> Iter
             else:
                 yield from docs_from_text(path, text_docs)
         except UnicodeDecodeError as e:
-            raise UserError(f"{path} is not UTF-8 text ({e.reason} at byte {e.start} of a block)") from e
+            raise UsageError(f"{path} is not UTF-8 text ({e.reason} at byte {e.start} of a block)") from e
         except OSError as e:
-            raise UserError(f"cannot read {path}: {e.strerror or e}") from e
+            raise UsageError(f"cannot read {path}: {e.strerror or e}") from e
 
 
 def docs_from_fineweb(version: str, streaming: bool) -> Iterator[str]:
@@ -167,12 +164,12 @@ def docs_from_fineweb(version: str, streaming: bool) -> Iterator[str]:
     try:
         import datasets
     except ImportError as e:
-        raise UserError(f"--version needs the `datasets` package ({e}); pip install -r requirements-extras.txt") from e
+        raise UsageError(f"--version needs the `datasets` package ({e}); pip install -r requirements-extras.txt") from e
     hint = "check the network, HF_ENDPOINT and HF_TOKEN"
     try:
         ds = datasets.load_dataset(repo, name=config, split="train", streaming=streaming)
     except Exception as e:  # noqa: BLE001 - datasets/hub raise many types; reported as one line
-        raise UserError(f"cannot load {repo} ({config}): {type(e).__name__}: {shardio.one_line(e, 150)}; {hint}") from e
+        raise UsageError(f"cannot load {repo} ({config}): {type(e).__name__}: {one_line(e, 150)}; {hint}") from e
     return _fineweb_texts(iter(ds), repo, config, hint)
 
 
@@ -183,7 +180,7 @@ def _fineweb_texts(rows, repo: str, config: str, hint: str) -> Iterator[str]:
         except StopIteration:
             return
         except Exception as e:  # noqa: BLE001
-            raise UserError(f"reading {repo} ({config}) failed: {type(e).__name__}: {shardio.one_line(e, 150)}; {hint}") from e
+            raise UsageError(f"reading {repo} ({config}) failed: {type(e).__name__}: {one_line(e, 150)}; {hint}") from e
         text = row["text"]
         if text:
             yield text
@@ -221,12 +218,12 @@ def load_encoding():
         try:
             import tiktoken
         except ImportError as e:
-            raise UserError(f"tokenizing needs tiktoken ({e}); pip install -r requirements-extras.txt") from e
+            raise UsageError(f"tokenizing needs tiktoken ({e}); pip install -r requirements-extras.txt") from e
         try:
             _encoding = tiktoken.get_encoding("gpt2")
         except Exception as e:  # noqa: BLE001 - network errors of tiktoken's one-time download
-            raise UserError(
-                f"cannot load tiktoken's gpt2 encoding ({type(e).__name__}: {shardio.one_line(e, 120)}); tiktoken downloads it "
+            raise UsageError(
+                f"cannot load tiktoken's gpt2 encoding ({type(e).__name__}: {one_line(e, 120)}); tiktoken downloads it "
                 "once and caches it: check the network, or point TIKTOKEN_CACHE_DIR at a folder that holds it"
             ) from e
     return _encoding
@@ -241,7 +238,7 @@ def encode_batch(texts: list[str]) -> np.ndarray:
         ids.extend(enc.encode_ordinary(text))
     arr = np.asarray(ids, dtype=np.int64)
     if arr.size and (arr.min() < 0 or arr.max() >= 2**16):
-        raise UserError(f"token id {int(arr.max())} does not fit uint16 shards")
+        raise UsageError(f"token id {int(arr.max())} does not fit uint16 shards")
     return arr.astype(np.uint16)
 
 
@@ -375,7 +372,7 @@ def run(argv: list[str] | None = None) -> int:
     else:
         for path in args.input:
             if not path.is_file():
-                raise UserError(f"input {path} does not exist or is not a file")
+                raise UsageError(f"input {path} does not exist or is not a file")
             if input_format(path) == "parquet":
                 _pyarrow_parquet(path)  # say now, not after other inputs were tokenized
         name = args.name or re.sub(r"[^A-Za-z0-9.-]+", "-", args.input[0].stem).strip("-.") or "corpus"
@@ -384,11 +381,11 @@ def run(argv: list[str] | None = None) -> int:
 
     old = existing_shards(out_dir, name)
     if old and not args.overwrite:
-        raise UserError(f"{out_dir} already holds {len(old)} shard(s) named {name}_*; pass --overwrite to replace them")
+        raise UsageError(f"{out_dir} already holds {len(old)} shard(s) named {name}_*; pass --overwrite to replace them")
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise UserError(f"cannot create {out_dir}: {e.strerror or e}") from e
+        raise UsageError(f"cannot create {out_dir}: {e.strerror or e}") from e
 
     from tqdm import tqdm
 
@@ -419,7 +416,7 @@ def run(argv: list[str] | None = None) -> int:
     seconds = time.perf_counter() - start
 
     if num_docs == 0:
-        raise UserError("the input holds no documents")
+        raise UsageError("the input holds no documents")
     new = {path for path, _ in writer.written}
     for path in old:
         if path not in new:
@@ -437,7 +434,7 @@ def run(argv: list[str] | None = None) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return shardio.run_cli(lambda: run(argv), UserError, "the shards of this run were removed")
+    return run_cli(lambda: run(argv), "the shards of this run were removed")
 
 
 if __name__ == "__main__":

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import shardio
+from train_gpt import UsageError, one_line, run_cli  # shardio puts the repository root on sys.path
 
 DATA_DIR = Path(__file__).resolve().parent
 DEFAULT_TRAIN_SHARDS = 8  # 800M tokens; one speedrun (1770 steps x 393,216 tokens) reads fewer than 9 shards
@@ -63,14 +64,6 @@ def shard_names(ds: HubDataset, num_train: int) -> list[str]:
     return names
 
 
-class Failure(Exception):
-    """An error reported to the user as one line; `retryable` says whether trying again may help."""
-
-    def __init__(self, message: str, retryable: bool = False):
-        super().__init__(message)
-        self.retryable = retryable
-
-
 def _content_matches(path: Path, etag: str | None) -> bool | None:
     """Whether the file's bytes match the Hub's ETag; None if the ETag is not a content hash."""
     etag = (etag or "").strip('"').lower()
@@ -94,33 +87,33 @@ class Downloader:
         self.endpoint = hub.constants.ENDPOINT
 
     # --- error translation -------------------------------------------------------------------
-    def _explain(self, name: str, exc: BaseException) -> Failure:
-        """Turn an exception from huggingface_hub/httpx into a one-line Failure."""
+    def _explain(self, name: str, exc: BaseException) -> UsageError:
+        """Turn an exception from huggingface_hub/httpx into a one-line UsageError."""
         import httpx2  # huggingface_hub's HTTP client
 
         errors = self.hub.errors
         where = f"{self.ds.repo_id}/{name} from {self.endpoint}"
         manual = f"or copy the shards into {self.local_dir} by hand"
         if isinstance(exc, errors.OfflineModeIsEnabled):
-            return Failure(f"cannot download {where}: HF_HUB_OFFLINE is set; unset it, {manual}")
+            return UsageError(f"cannot download {where}: HF_HUB_OFFLINE is set; unset it, {manual}")
         if isinstance(exc, (httpx2.ConnectError, httpx2.TimeoutException, httpx2.NetworkError, httpx2.RemoteProtocolError)):
-            return Failure(
-                f"cannot reach the Hub to download {where} ({type(exc).__name__}: {shardio.one_line(exc, 80)}); "
+            return UsageError(
+                f"cannot reach the Hub to download {where} ({type(exc).__name__}: {one_line(exc, 80)}); "
                 f"check the network and proxy settings and HF_ENDPOINT, {manual}",
                 retryable=True,
             )
         if isinstance(exc, (errors.RepositoryNotFoundError, errors.GatedRepoError)):
-            return Failure(
+            return UsageError(
                 f"the Hub at {self.endpoint} denies access to dataset {self.ds.repo_id} "
                 f"({type(exc).__name__}); check HF_TOKEN and HF_ENDPOINT"
             )
         if isinstance(exc, errors.RevisionNotFoundError):
-            return Failure(f"revision {self.revision!r} of dataset {self.ds.repo_id} not found at {self.endpoint}; check --revision")
+            return UsageError(f"revision {self.revision!r} of dataset {self.ds.repo_id} not found at {self.endpoint}; check --revision")
         if isinstance(exc, errors.RemoteEntryNotFoundError):
-            return Failure(f"{name} not found in dataset {self.ds.repo_id} at revision {self.revision!r} on {self.endpoint}")
+            return UsageError(f"{name} not found in dataset {self.ds.repo_id} at revision {self.revision!r} on {self.endpoint}")
         if isinstance(exc, errors.FileMetadataError):
-            return Failure(
-                f"{self.endpoint} did not answer like the Hugging Face Hub for {name} ({shardio.one_line(exc, 80)}); "
+            return UsageError(
+                f"{self.endpoint} did not answer like the Hugging Face Hub for {name} ({one_line(exc, 80)}); "
                 f"check HF_ENDPOINT, {manual}"
             )
         if isinstance(exc, errors.HfHubHTTPError):
@@ -131,19 +124,19 @@ class Downloader:
                 hint = f"the server failed; try again later, check HF_ENDPOINT, {manual}"
             else:
                 hint = f"check HF_ENDPOINT and HF_TOKEN, {manual}"
-            return Failure(f"the Hub answered HTTP {status} for {where}; {hint}", retryable=status in _RETRY_STATUS)
+            return UsageError(f"the Hub answered HTTP {status} for {where}; {hint}", retryable=status in _RETRY_STATUS)
         if isinstance(exc, OSError):
             # huggingface_hub reports a body shorter or longer than announced as
             # OSError("Consistency check failed: file should be of size N but has size M ...")
             sizes = re.search(r"should be of size (\d+) but has size (\d+)", str(exc))
             if sizes:
-                return Failure(
+                return UsageError(
                     f"download of {where} was cut off (got {sizes[2]} of {sizes[1]} bytes); "
                     f"check the network and run the same command again",
                     retryable=True,
                 )
-            return Failure(f"download of {where} failed: {shardio.one_line(exc, 120)}")
-        return Failure(f"download of {where} failed: {type(exc).__name__}: {shardio.one_line(exc, 120)}")
+            return UsageError(f"download of {where} failed: {one_line(exc, 120)}")
+        return UsageError(f"download of {where} failed: {type(exc).__name__}: {one_line(exc, 120)}")
 
     # --- one shard ---------------------------------------------------------------------------
     def _fetch_once(self, name: str) -> str:
@@ -152,7 +145,7 @@ class Downloader:
         try:
             url = hub.hf_hub_url(self.ds.repo_id, name, repo_type="dataset", revision=self.revision)
             meta = hub.get_hf_file_metadata(url)
-        except Exception as e:  # noqa: BLE001 - translated into a one-line Failure
+        except Exception as e:  # noqa: BLE001 - translated into a one-line UsageError
             raise self._explain(name, e) from e
 
         if self.verify and final.is_file() and shardio.shard_problem(final) is None:
@@ -187,7 +180,7 @@ class Downloader:
             if problem is None and _content_matches(path, meta.etag) is False:
                 problem = f"its content does not match the Hub's hash {meta.etag}"
             if problem is not None:
-                raise Failure(
+                raise UsageError(
                     f"downloaded {name} from {self.endpoint} is corrupt: {problem}; run the same command again "
                     f"(if it persists, the file on the Hub or a proxy on the way is at fault)",
                     retryable=True,
@@ -204,7 +197,7 @@ class Downloader:
         while True:
             try:
                 return self._fetch_once(name)
-            except Failure as f:
+            except UsageError as f:
                 if not f.retryable or attempt >= self.retries or self.stop.is_set():
                     raise
             attempt += 1
@@ -217,7 +210,7 @@ def _import_hub():
         import huggingface_hub.errors  # noqa: F401
         from huggingface_hub.utils import disable_progress_bars, logging as hf_logging
     except ImportError as e:
-        raise Failure(f"huggingface_hub is needed to download shards ({e}); pip install -r requirements.txt") from e
+        raise UsageError(f"huggingface_hub is needed to download shards ({e}); pip install -r requirements.txt") from e
     # Our own progress bar and one-line errors replace the library's per-file bars and warnings.
     disable_progress_bars()
     hf_logging.set_verbosity_error()
@@ -268,7 +261,7 @@ def run(key: str, argv: list[str] | None = None) -> int:
     try:
         local_dir.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise Failure(f"cannot create {local_dir}: {e.strerror or e}") from e
+        raise UsageError(f"cannot create {local_dir}: {e.strerror or e}") from e
 
     names = shard_names(ds, args.num_train)
     todo = []
@@ -287,7 +280,7 @@ def run(key: str, argv: list[str] | None = None) -> int:
         return 0
     if hub.constants.is_offline_mode():
         what = "--verify needs the Hub" if args.verify else f"{len(todo)} shard(s) are missing or invalid"
-        raise Failure(
+        raise UsageError(
             f"HF_HUB_OFFLINE is set and {what} in {local_dir} (first: {todo[0]}); "
             f"unset HF_HUB_OFFLINE to download them, or copy the shards there by hand"
         )
@@ -296,7 +289,7 @@ def run(key: str, argv: list[str] | None = None) -> int:
     print(f"{ds.repo_id}: {on_disk} of {len(names)} shards on disk, {action} {len(todo)} in {local_dir}", flush=True)
     dl = Downloader(hub, ds, local_dir, args.revision, args.retries, args.verify)
     start = time.perf_counter()
-    failures: dict[str, Failure] = {}
+    failures: dict[str, UsageError] = {}
     bar = tqdm(total=len(todo), unit="shard", desc=ds.folder, disable=None, file=sys.stderr)
     pool = ThreadPoolExecutor(max_workers=min(args.workers, len(todo)), thread_name_prefix="shard")
     try:
@@ -311,7 +304,7 @@ def run(key: str, argv: list[str] | None = None) -> int:
                     bar.update(1)
                     tqdm.write(fut.result(), file=sys.stdout)
                     continue
-                failures[name] = exc if isinstance(exc, Failure) else Failure(f"{name}: {type(exc).__name__}: {shardio.one_line(exc)}")
+                failures[name] = exc if isinstance(exc, UsageError) else UsageError(f"{name}: {type(exc).__name__}: {one_line(exc)}")
                 dl.stop.set()
                 for other in pending:
                     other.cancel()
@@ -322,12 +315,12 @@ def run(key: str, argv: list[str] | None = None) -> int:
     if failures:
         first = min(failures, key=names.index)
         more = f" ({len(failures) - 1} more shard(s) failed too)" if len(failures) > 1 else ""
-        raise Failure(str(failures[first]) + more)
+        raise UsageError(str(failures[first]) + more)
     print(f"done in {time.perf_counter() - start:.1f} s: {len(names)} valid shards in {local_dir}", flush=True)
     return 0
 
 
 def main(key: str, argv: list[str] | None = None) -> int:
     """Entry point of the cached_*.py programs: returns the exit status, errors are one line on stderr."""
-    return shardio.run_cli(lambda: run(key, argv), Failure,
+    return run_cli(lambda: run(key, argv),
                            "shards already complete are kept, run the same command again to resume")

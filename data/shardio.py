@@ -21,6 +21,9 @@ from pathlib import Path
 
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root
+from train_gpt import UsageError  # noqa: E402  (the one user-error type of the repository)
+
 MAGIC = 20240520
 VERSION = 1
 HEADER_INTS = 256
@@ -30,32 +33,10 @@ HEADER_DTYPE = np.dtype("<i4")
 MAX_TOKENS = 2**31 - 1  # the count must fit the int32 header field
 
 
-class ShardError(ValueError):
-    """A file that is not a complete, well-formed shard."""
-
-
-def one_line(text: object, limit: int = 300) -> str:
-    """Whitespace collapsed and cut to `limit` characters: how every data/ program prints an error."""
-    s = " ".join(str(text).split())
-    return s if len(s) <= limit else s[: limit - 1] + "…"
-
-
-def run_cli(run, expected: type[Exception], interrupted: str) -> int:
-    """Runs a data/ program's `run()`: its expected errors and Ctrl-C become one `error:` line on stderr."""
-    try:
-        return run()
-    except expected as e:
-        print(f"error: {one_line(e, 1000)}", file=sys.stderr, flush=True)
-        return 1
-    except KeyboardInterrupt:
-        print(f"error: interrupted; {interrupted}", file=sys.stderr, flush=True)
-        return 130
-
-
 def make_header(count: int) -> bytes:
     """The 1024 header bytes of a shard holding `count` tokens."""
     if not 0 <= count <= MAX_TOKENS:
-        raise ShardError(f"token count {count} does not fit a shard header")
+        raise UsageError(f"token count {count} does not fit a shard header")
     header = np.zeros(HEADER_INTS, dtype=HEADER_DTYPE)
     header[0] = MAGIC
     header[1] = VERSION
@@ -94,10 +75,10 @@ def shard_problem(path: str | os.PathLike) -> str | None:
 
 
 def check_shard(path: str | os.PathLike) -> int:
-    """Raise ShardError unless `path` is a valid shard; return its token count."""
+    """Raise UsageError unless `path` is a valid shard; return its token count."""
     problem = shard_problem(path)
     if problem is not None:
-        raise ShardError(f"{path}: {problem}")
+        raise UsageError(f"{path}: {problem}")
     with open(path, "rb") as f:
         return int(np.frombuffer(f.read(HEADER_BYTES), dtype=HEADER_DTYPE)[2])
 
@@ -120,9 +101,9 @@ def write_shard(path: str | os.PathLike, tokens: np.ndarray) -> None:
     path = Path(path)
     tokens = np.asarray(tokens)
     if tokens.ndim != 1:
-        raise ShardError("tokens must be a 1-D array")
+        raise UsageError("tokens must be a 1-D array")
     if tokens.size and (tokens.min() < 0 or tokens.max() >= 2**16):
-        raise ShardError(f"token ids must be in [0, 65535] to fit uint16; got {tokens.min()}..{tokens.max()}")
+        raise UsageError(f"token ids must be in [0, 65535] to fit uint16; got {tokens.min()}..{tokens.max()}")
     body = tokens.astype(TOKEN_DTYPE, copy=False)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
     try:

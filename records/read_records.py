@@ -35,7 +35,7 @@ Options:
 
 Files that cannot be used (truncated, crashed, unfinished, unknown format,
 unreadable JSON) are reported on stderr as ``skipped <path>: <reason>`` and
-left out. The exit status is 1 only when no run at all could be read.
+left out. The exit status is 2 (a usage error) only when no run at all could be read.
 
 scipy (p-values) and matplotlib (plots) are optional extras:
     pip install -r requirements-extras.txt
@@ -59,14 +59,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root
+from train_gpt import UsageError, parse_progress_line, run_cli  # noqa: E402  (the run log's one reader)
+
 INSTALL_HINT = "pip install -r requirements-extras.txt"
 
 SOURCE_BEGIN = "==== train_gpt.py ===="
 SOURCE_END = "==== end of train_gpt.py ===="
 
-# A data line starts at column 0 with "step:S/N" followed by key:value fields.
-STEP_RE = re.compile(r"^step:(\d+)/(\d+)((?:\s+[A-Za-z_]+:\S+)*)\s*$")
-FIELD_RE = re.compile(r"([A-Za-z_]+):(\S+)")
 HPARAM_RE = re.compile(r"^\s+([A-Za-z_][A-Za-z0-9_.]*)\s*=\s*(.*?)\s*$")
 # A GPU row of the nvidia-smi table: "|   0  NVIDIA H100 80GB HBM3   On  |   00000000:19:00.0 Off |"
 SMI_GPU_RE = re.compile(
@@ -74,10 +74,6 @@ SMI_GPU_RE = re.compile(
 )
 ENERGY_RE = re.compile(r"^energy:\s+([0-9.eE+-]+)\s*J\s*\(\s*([0-9.eE+-]+)\s*kWh\)")
 PEAK_RE = re.compile(r"^peak memory allocated:\s*([0-9.]+)\s*MiB")
-
-
-class LogError(Exception):
-    """A file that cannot be used as a run; the message is the reason."""
 
 
 @dataclass
@@ -143,44 +139,6 @@ def _display_dir(path: Path) -> str:
         return str(folder)
 
 
-def _number(text: str) -> float:
-    """Parse '1234ms', '12.5', 'nan', 'nanms' into a float."""
-    if text.endswith("ms"):
-        text = text[:-2]
-    return float(text)
-
-
-def parse_step_line(line: str) -> tuple[int, int, dict[str, float]] | None:
-    """Return (step, total, fields) for a data line, or None for anything else.
-
-    Lines holding braces are format strings from source code, never data.
-    """
-    if "{" in line or "}" in line:
-        return None
-    m = STEP_RE.match(line.rstrip("\r\n"))
-    if not m:
-        return None
-    fields: dict[str, float] = {}
-    for key, value in FIELD_RE.findall(m.group(3)):
-        try:
-            fields[key] = _number(value)
-        except ValueError:
-            return None
-    if not fields:
-        return None
-    return int(m.group(1)), int(m.group(2)), fields
-
-
-def _parse_fields(text: str) -> dict[str, float]:
-    out = {}
-    for key, value in FIELD_RE.findall(text):
-        try:
-            out[key] = _number(value)
-        except ValueError:
-            continue
-    return out
-
-
 def _gpus_from_smi(lines: list[str]) -> list[str]:
     gpus: dict[int, str] = {}
     for line in lines:
@@ -195,13 +153,12 @@ def _scan_steps(lines: list[str]):
     curve: list[tuple[int, float, float]] = []
     last: tuple[int, int] | None = None
     for line in lines:
-        parsed = parse_step_line(line)
+        parsed = parse_progress_line(line) if line.startswith("step:") else None
         if parsed is None:
             continue
-        step, total, fields = parsed
-        last = (step, total)
-        if "val_loss" in fields:
-            curve.append((step, fields["val_loss"], fields.get("train_time", math.nan)))
+        last = (parsed.step, parsed.total)
+        if "val_loss" in parsed.fields:
+            curve.append((parsed.step, parsed.fields["val_loss"], parsed.fields.get("train_time", math.nan)))
     return curve, last
 
 
@@ -221,11 +178,11 @@ def parse_project_txt(path: Path, text: str) -> Run:
     try:
         begin = lines.index(SOURCE_BEGIN)
     except ValueError:
-        raise LogError("unknown format: no train_gpt.py source block") from None
+        raise UsageError("unknown format: no train_gpt.py source block") from None
     try:
         end = lines.index(SOURCE_END, begin + 1)
     except ValueError:
-        raise LogError("truncated log: the train_gpt.py source block is never closed") from None
+        raise UsageError("truncated log: the train_gpt.py source block is never closed") from None
     body = lines[end + 1:]
 
     hyper: dict[str, Any] = {}
@@ -248,10 +205,11 @@ def parse_project_txt(path: Path, text: str) -> Run:
     curve, last = _scan_steps(body)
     final_line = next((ln for ln in reversed(body) if ln.startswith("final:")), None)
     if final_line is None:
-        raise LogError(_not_finished_reason(body, text, last, "no 'final:' line"))
-    final = _parse_fields(final_line[len("final:"):])
+        raise UsageError(_not_finished_reason(body, text, last, "no 'final:' line"))
+    parsed_final = parse_progress_line(final_line)
+    final = parsed_final.fields if parsed_final is not None else {}
     if "val_loss" not in final:
-        raise LogError("truncated log: the 'final:' line has no val_loss")
+        raise UsageError("truncated log: the 'final:' line has no val_loss")
 
     run = Run(
         name=path.stem,
@@ -302,11 +260,11 @@ def parse_public_txt(path: Path, text: str) -> Run:
     lines = text.splitlines()
     curve, last = _scan_steps(lines)
     if last is None:
-        raise LogError("unknown format: no step lines found")
+        raise UsageError("unknown format: no step lines found")
     total = last[1]
     finals = [c for c in curve if c[0] == total]
     if not finals:
-        raise LogError(_not_finished_reason(lines, text, last, f"no val_loss at step {total}/{total}"))
+        raise UsageError(_not_finished_reason(lines, text, last, f"no val_loss at step {total}/{total}"))
     step, loss, time_ms = finals[-1]
     run = Run(
         name=path.stem,
@@ -332,7 +290,7 @@ def parse_txt(path: Path) -> Run:
     try:
         text = path.read_text(encoding="utf-8", errors="replace")
     except OSError as exc:
-        raise LogError(f"unreadable file: {exc.strerror or exc}") from None
+        raise UsageError(f"unreadable file: {exc.strerror or exc}") from None
     if SOURCE_BEGIN in text.splitlines():
         return parse_project_txt(path, text)
     return parse_public_txt(path, text)
@@ -343,7 +301,7 @@ def _opt_num(data: dict, key: str, kind=float):
     if value is None or isinstance(value, bool):
         return None
     if not isinstance(value, (int, float)):
-        raise LogError(f"unknown format: JSON field {key!r} is not a number")
+        raise UsageError(f"unknown format: JSON field {key!r} is not a number")
     return kind(value)
 
 
@@ -352,24 +310,24 @@ def parse_json(path: Path) -> Run:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except OSError as exc:
-        raise LogError(f"unreadable file: {exc.strerror or exc}") from None
+        raise UsageError(f"unreadable file: {exc.strerror or exc}") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise LogError(f"unreadable JSON: {exc}") from None
+        raise UsageError(f"unreadable JSON: {exc}") from None
     if not isinstance(data, dict) or "final_val_loss" not in data:
-        raise LogError("unknown format: JSON is not a run summary (no final_val_loss)")
+        raise UsageError("unknown format: JSON is not a run summary (no final_val_loss)")
     status = data.get("status")
     if status != "finished":
-        raise LogError(f"unfinished run: JSON status is {status!r}, not 'finished'")
+        raise UsageError(f"unfinished run: JSON status is {status!r}, not 'finished'")
     loss = _opt_num(data, "final_val_loss")
     if loss is None:
         loss = math.nan
     curve = []
     raw_curve = data.get("val_curve") or []
     if not isinstance(raw_curve, list):
-        raise LogError("unknown format: JSON val_curve is not a list")
+        raise UsageError("unknown format: JSON val_curve is not a list")
     for point in raw_curve:
         if not isinstance(point, (list, tuple)) or len(point) < 2:
-            raise LogError("unknown format: JSON val_curve entries must be [step, val_loss, train_time_ms]")
+            raise UsageError("unknown format: JSON val_curve entries must be [step, val_loss, train_time_ms]")
         s, v = point[0], point[1]
         t = point[2] if len(point) > 2 else None
         curve.append((int(s), math.nan if v is None else float(v), math.nan if t is None else float(t)))
@@ -461,7 +419,7 @@ def read_runs(paths: list[str]) -> tuple[list[Run], list[tuple[str, str]]]:
                 continue
             try:
                 parsed[kind] = parser(pair[kind])
-            except LogError as exc:
+            except UsageError as exc:
                 skipped.append((str(pair[kind]), str(exc)))
             except Exception as exc:  # one odd file must never stop the rest
                 skipped.append((str(pair[kind]), f"could not parse: {type(exc).__name__}: {exc}"))
@@ -678,13 +636,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    return run_cli(lambda: report(build_parser().parse_args(argv)))
+
+
+def report(args: argparse.Namespace) -> int:
     runs, skipped = read_runs(args.paths)
     for path, reason in skipped:
         print(f"skipped {path}: {reason}", file=sys.stderr)
     if not runs:
-        print("error: no run could be read", file=sys.stderr)
-        return 1
+        raise UsageError("no run could be read (the reasons are above): pass a folder or file of train_gpt.py "
+                         "logs or summaries, or public speedrun logs")
     for run in runs:
         run.group = group_label(run, args.group_by)
     notes: list[str] = []

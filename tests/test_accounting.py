@@ -120,3 +120,18 @@ def test_profiler_writes_a_chrome_trace_per_rank(tmp_path):
     trace = json.loads((tmp_path / "prof_rank0.trace.json").read_text())
     names = {event.get("name", "") for event in trace["traceEvents"]}
     assert any("aten::" in n for n in names)
+
+
+# ---------------------------------------------------------------- progress lines
+
+def test_progress_lines_round_trip_through_the_one_parser():
+    line = T.progress_line(7, 60, train_loss=5.123456, train_time=1234.4, step_avg=176.34)
+    assert line == "step:7/60 train_loss:5.1235 train_time:1234ms step_avg:176.34ms"
+    parsed = T.parse_progress_line(line)
+    assert (parsed.step, parsed.total, parsed.fields) == (7, 60, {"train_loss": 5.1235, "train_time": 1234.0,
+                                                                  "step_avg": 176.34})
+    final = T.progress_line(None, 60, val_loss=5.5, steps=60, tokens=122880, train_time=9.6)
+    assert final == "final: val_loss:5.5000 steps:60 tokens:122880 train_time:10ms"
+    assert T.parse_progress_line(final).fields == {"val_loss": 5.5, "steps": 60, "tokens": 122880, "train_time": 10}
+    with pytest.raises(KeyError):
+        T.progress_line(1, 2, no_such_field=1.0)  # every field has its declared format

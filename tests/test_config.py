@@ -1,7 +1,10 @@
 """The speedrun preset is the 2025-01-26 record: every value the record sets, pinned to the record's value
 (records/012625_BatchSize of modded-nanogpt and its train_gpt.py; ../shared/SPEEDRUN_RECIPE.md)."""
+import dataclasses
 import sys
 from pathlib import Path
+
+import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import train_gpt as T  # noqa: E402
@@ -22,3 +25,39 @@ def test_speedrun_preset_is_the_record():
     assert {k: getattr(args, k) for k in RECORD_2025_01_26} == RECORD_2025_01_26
     assert T.FP8_SCALES == dict(x_scale=2.0, w_scale=2.0 ** 9, grad_scale=2.0 ** 19)
     assert args.val_tokens // args.val_seq_len == 40  # 5 val sequences per rank on 8 GPUs
+
+
+def test_optional_fields_parse_none_and_their_kind():
+    from dataclasses import dataclass
+
+    @dataclass
+    class Fields:
+        lr: float | None = None
+        name: str = "x"
+        steps: "int | None" = 3
+
+    types = T.field_types(Fields)
+    assert types["lr"] == T.FieldType(float, optional=True) and types["name"] == T.FieldType(str)
+    assert types["steps"] == T.FieldType(int, optional=True)
+    assert T.parse_value(types["lr"], "none") is None and T.parse_value(types["lr"], "0.5") == 0.5
+    assert T.parse_value(types["name"], "none") == "none"  # only optional fields take none
+    with pytest.raises(ValueError):
+        T.parse_value(types["steps"], "1.5")
+
+
+def test_a_field_the_command_line_cannot_set_is_refused_in_one_line():
+    from dataclasses import dataclass, field
+
+    @dataclass
+    class Fields:
+        sizes: list[int] = field(default_factory=list)
+
+    with pytest.raises(T.UsageError, match=r"^hyperparameter sizes is annotated list\[int\], which the command line "
+                                           r"cannot set: use bool, int, float, str, or one of them \| None$"):
+        T.field_types(Fields)
+
+
+def test_every_hyperparameter_has_a_command_line_type():
+    types = T.field_types()
+    assert set(types) == {f.name for f in dataclasses.fields(T.Hyperparameters)}
+    assert types["seed"] == T.FieldType(int) and types["muon"] == T.FieldType(bool)

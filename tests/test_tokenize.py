@@ -67,7 +67,7 @@ def shards_in(folder: Path) -> list[str]:
 
 
 def assert_one_line_error(proc: subprocess.CompletedProcess, *needles: str):
-    assert proc.returncode == 1, (proc.stdout, proc.stderr)
+    assert proc.returncode == 2, (proc.stdout, proc.stderr)
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
     assert "Traceback" not in proc.stderr

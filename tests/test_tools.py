@@ -310,7 +310,7 @@ def test_corrupt_download_is_refused_with_the_url(monkeypatch, tmp_path):
 
 def test_unreachable_file_is_one_line_with_the_url(monkeypatch, tmp_path, capsys, checkpoint):
     monkeypatch.setattr(H.urllib.request, "urlopen", FakeServer(None))
-    assert loading.run_cli(lambda: H.main([str(checkpoint), "--cache_dir", str(tmp_path)])) == 2
+    assert T.run_cli(lambda: H.main([str(checkpoint), "--cache_dir", str(tmp_path)])) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "cannot download the HellaSwag validation file" in err[0] and H.URL in err[0]
 

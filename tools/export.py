@@ -25,7 +25,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tools.loading import (EXPORT_CONFIG, EXPORT_WEIGHTS, LoadedModel, T, build, hyperparameters_from,  # noqa: E402
-                           load_model, pick_device, run_cli)
+                           load_model, pick_device)
 
 FORMAT = "gpt2-speedrun"
 FORMAT_VERSION = 1
@@ -87,4 +87,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(run_cli(main))
+    sys.exit(T.run_cli(main))

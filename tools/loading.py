@@ -150,12 +150,3 @@ def gpt2_tokenizer():
         raise T.UsageError(f"cannot load the GPT-2 tokenizer ({type(e).__name__}): tiktoken downloads it once; "
                            "connect to the internet, or set TIKTOKEN_CACHE_DIR to a folder holding its cache") \
             from None
-
-
-def run_cli(main) -> int:
-    """Runs a tool's main(), turning UsageError into one 'error: ...' line and exit status 2."""
-    try:
-        return main()
-    except T.UsageError as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        return 2
