@@ -1,6 +1,5 @@
 """Shared helpers for tests that run train_gpt.py end to end (tiny shapes, the bundled sample)."""
 import os
-import re
 import subprocess
 import sys
 from pathlib import Path
@@ -42,13 +41,19 @@ def start_two_ranks_until_step_3(args, log):
     return proc, workers
 
 
+def progress_field(text, name):
+    """{step: value} of one field of a run log's step lines, read with the trainer's own parser."""
+    import train_gpt as T
+    lines = (T.parse_progress_line(line) for line in text.splitlines() if line.startswith("step:"))
+    return {line.step: line.fields[name] for line in lines if line is not None and name in line.fields}
+
+
 def train_losses(text):
-    """{step: train_loss} from step lines."""
-    return {int(m[1]): float(m[2]) for m in re.finditer(r"^step:(\d+)/\d+ train_loss:(\S+) ", text, re.M)}
+    return progress_field(text, "train_loss")
 
 
 def val_losses(text):
-    return {int(m[1]): float(m[2]) for m in re.finditer(r"^step:(\d+)/\d+ val_loss:(\S+) ", text, re.M)}
+    return progress_field(text, "val_loss")
 
 
 def only_log(log_dir):

@@ -49,7 +49,7 @@ def set_energy(root, i, value):
     (root / f"intel-rapl:{i}" / "energy_uj").write_text(f"{value}\n")
 
 
-def test_nvml_counts_only_the_timed_region():
+def test_nvml_meter_sums_only_the_intervals_it_runs_for():
     rt = T.Runtime(0, 3, 1, torch.device("cpu"), torch.float32, "banded", False, False)
     nvml = FakeNvml([1_000_000, 1_500_000, 9_000_000, 9_250_000])  # start, stop, (validation), start, stop
     meter = T.EnergyMeter(T.NvmlCounter(3, nvml))
@@ -135,3 +135,34 @@ def test_progress_lines_round_trip_through_the_one_parser():
     assert T.parse_progress_line(final).fields == {"val_loss": 5.5, "steps": 60, "tokens": 122880, "train_time": 10}
     with pytest.raises(KeyError):
         T.progress_line(1, 2, no_such_field=1.0)  # every field has its declared format
+
+
+def test_the_loop_counts_training_energy_and_not_validation(tmp_path, monkeypatch):
+    """The real loop with a counter that validation moves by 1000 J and each training step by 1 J: the
+    Clock must pause the meter around every validation (steps 0, 2 and 4 of 4), so 4 J are counted."""
+    class Counter:
+        wrap_joules, joules = None, 0.0
+
+        def read_joules(self):
+            return [self.joules]
+
+    counter = Counter()
+    evaluate, train_step = T.evaluate, T.train_step
+
+    def validation(*a, **k):
+        counter.joules += 1000.0
+        return evaluate(*a, **k)
+
+    def training(*a, **k):
+        counter.joules += 1.0
+        return train_step(*a, **k)
+
+    monkeypatch.setattr(T, "evaluate", validation)
+    monkeypatch.setattr(T, "train_step", training)
+    monkeypatch.setattr(T.EnergyMeter, "open", staticmethod(lambda rt, *a, **k: T.EnergyMeter(counter)))
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    assert T.main(TINY + ["--run_id=energy", f"--log_dir={tmp_path}"]) == 0
+    summary = json.loads((tmp_path / "energy.json").read_text())
+    assert summary["energy_j"] == pytest.approx(4.0)
+    assert [line.fields.get("energy") for line in map(T.parse_progress_line, (tmp_path / "energy.txt").read_text()
+            .splitlines()) if line is not None and "val_loss" in line.fields and line.step is not None] == [0, 2, 4]

@@ -162,18 +162,3 @@ def test_validation_split_over_ranks_covers_the_budget_once(tmp_path):
     too_much = T.Hyperparameters(val_tokens=4096, val_seq_len=256)
     with pytest.raises(T.UsageError, match="lower --val_tokens"):
         T.validation_sequences(files, too_much, 0, 1)
-
-
-def test_loader_throughput_is_printed(tmp_path, capsys):
-    """Not a timed assertion: prints tokens/s of the loader for the closing note and benchmarks."""
-    import time
-    files = [write_shard(tmp_path / "big.bin", doc_tokens(4_000_000, seed=1))]
-    loader = T.DistributedTokenLoader(T.TokenStream(files, VOCAB, False), 48 * 1024, 0, 1, 8, False,
-                                      torch.device("cpu"))
-    start, tokens = time.perf_counter(), 0
-    for _ in range(8):
-        tokens += sum(x.numel() for x, _ in loader.next_batch())
-    rate = tokens / (time.perf_counter() - start)
-    with capsys.disabled():
-        print(f"\nloader throughput: {rate / 1e6:.1f}M tokens/s (one process, CPU tensors)")
-    assert tokens == 8 * 8 * 48 * 1024
