@@ -78,7 +78,7 @@ SAMPLE_VAL_TOKENS = 262144  # tokens in data/sample/sotu_val_000000.bin, the hel
 # Statistics and the table (pure functions, tested on synthetic summaries)
 
 @dataclass
-class Failure:
+class FailedRun:
     run_id: str
     variant: str
     seed: int
@@ -95,7 +95,7 @@ class VariantStats:
     curve: list[tuple[int, float]]  # (tokens, mean val loss over seeds) at the validation points all runs share
     tokens_per_s: float  # mean over runs of tokens / train_time
     budget_tokens: int
-    failures: list[Failure] = field(default_factory=list)
+    failures: list[FailedRun] = field(default_factory=list)
 
 
 def mean_std(values: list[float]) -> tuple[float, float]:
@@ -117,7 +117,7 @@ def tokens_to_reach(curve: list[tuple[int, float]], target: float) -> float | No
     return None
 
 
-def variant_stats(name: str, summaries: list[dict], failures: list[Failure] | None = None) -> VariantStats:
+def variant_stats(name: str, summaries: list[dict], failures: list[FailedRun] | None = None) -> VariantStats:
     """Aggregates the finished runs (train_gpt.py JSON summaries) of one variant."""
     if not summaries:
         raise ValueError(f"variant {name} has no finished runs")
@@ -168,7 +168,7 @@ def baseline_headline(base: VariantStats | None, full: VariantStats | None) -> s
             f"({base.budget_tokens / reach:.2f}x fewer tokens)")
 
 
-def build_table(stats: dict[str, VariantStats], failures: list[Failure], label: str) -> Table:
+def build_table(stats: dict[str, VariantStats], failures: list[FailedRun], label: str) -> Table:
     """The markdown results table: every variant against the full recipe (its final loss is the target)."""
     full = stats.get(FULL)
     target = full.final_mean if full else None
@@ -262,8 +262,8 @@ def stderr_tail(text: str, lines: int = 8) -> str:
     return " | ".join(tail) if tail else "(no output)"
 
 
-def run_one(spec: RunSpec, log_dir: Path, threads: int) -> dict | Failure:
-    """Runs train_gpt.py once; returns its summary, or a Failure with the stderr tail."""
+def run_one(spec: RunSpec, log_dir: Path, threads: int) -> dict | FailedRun:
+    """Runs train_gpt.py once; returns its summary, or a FailedRun with the stderr tail."""
     for suffix in (".json", ".txt", ".out"):  # the run log appends: start each run clean
         (log_dir / f"{spec.run_id}{suffix}").unlink(missing_ok=True)
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
@@ -272,19 +272,19 @@ def run_one(spec: RunSpec, log_dir: Path, threads: int) -> dict | Failure:
     (log_dir / f"{spec.run_id}.out").write_text(proc.stdout + "\n---- stderr ----\n" + proc.stderr)
     path = log_dir / f"{spec.run_id}.json"
     if proc.returncode != 0 or not path.is_file():
-        return Failure(spec.run_id, spec.variant, spec.seed,
+        return FailedRun(spec.run_id, spec.variant, spec.seed,
                        f"exit status {proc.returncode}: {stderr_tail(proc.stderr or proc.stdout)}")
     return json.loads(path.read_text())
 
 
-def run_all(specs: list[RunSpec], log_dir: Path, jobs: int,
-            resume: bool) -> tuple[dict[str, list[dict]], list[Failure], int]:
+def run_all(specs: list[RunSpec], log_dir: Path, jobs: int, resume: bool,
+            report_only: bool = False) -> tuple[dict[str, list[dict]], list[FailedRun], int]:
     """Trains every spec (reusing matching finished summaries with resume); returns the summaries by
     variant, the failures and how many runs were reused."""
     log_dir.mkdir(parents=True, exist_ok=True)
     threads = max(1, (os.cpu_count() or 1) // jobs)
     results: dict[str, list[dict]] = {}
-    failures: list[Failure] = []
+    failures: list[FailedRun] = []
     todo = []
     for spec in specs:
         summary = reusable_summary(spec, log_dir) if resume else None
@@ -293,6 +293,9 @@ def run_all(specs: list[RunSpec], log_dir: Path, jobs: int,
             results.setdefault(spec.variant, []).append(summary)
         else:
             todo.append(spec)
+    if report_only:  # the table of what has finished; each run not (yet) there is named
+        return results, [FailedRun(s.run_id, s.variant, s.seed, "not run (--report-only: no finished summary with "
+                                   "these settings)") for s in todo], len(specs) - len(todo)
     started = time.time()
     print(f"{len(todo)} run(s) to train, {jobs} at a time with OMP_NUM_THREADS={threads}", flush=True)
 
@@ -304,7 +307,7 @@ def run_all(specs: list[RunSpec], log_dir: Path, jobs: int,
     with ThreadPoolExecutor(max_workers=jobs) as pool:
         for done, (spec, out, seconds) in enumerate(pool.map(job, todo), 1):
             elapsed = time.time() - started
-            if isinstance(out, Failure):
+            if isinstance(out, FailedRun):
                 failures.append(out)
                 print(f"[{done}/{len(todo)} {elapsed:.0f}s] FAILED {spec.run_id} ({seconds:.0f}s): {out.reason}",
                       flush=True)
@@ -358,6 +361,8 @@ def parse_cli(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=REPO / "bench" / "results", help="folder for logs, table, plot")
     p.add_argument("--baseline-matrix-adam-lr", dest="baseline_lr", type=float, default=None,
                    help="the baseline's AdamW lr for hidden matrices (default: train_gpt.py's matrix_adam_lr)")
+    p.add_argument("--report-only", dest="report_only", action="store_true",
+                   help="train nothing: the table and plot of the finished runs in OUT/logs whose settings match")
     p.add_argument("--resume-existing", dest="resume_existing", action="store_true",
                    help="reuse finished run summaries in OUT/logs whose hyperparameters match")
     a = p.parse_args(argv)
@@ -390,7 +395,7 @@ def main(argv: list[str] | None = None) -> int:
     specs = run_specs(a.variants, a.seeds, a.num_iterations, a.val_every, a.val_tokens, log_dir, overrides,
                       a.batch_tokens)
     started = time.time()
-    results, failures, reused = run_all(specs, log_dir, a.jobs, a.resume_existing)
+    results, failures, reused = run_all(specs, log_dir, a.jobs, a.resume_existing or a.report_only, a.report_only)
     stats = {name: variant_stats(name, results[name], [f for f in failures if f.variant == name])
              for name in a.variants if results.get(name)}
     for name in a.variants:

@@ -119,7 +119,7 @@ def test_table_without_a_full_run_has_no_differences():
 
 
 def test_failed_run_is_reported_by_name_and_excluded():
-    failure = A.Failure("full_s2", "full", 2, "exit status 2: error: something broke")
+    failure = A.FailedRun("full_s2", "full", 2, "exit status 2: error: something broke")
     stats = {"full": A.variant_stats("full", [summary("full", s, [10.0, 6.0]) for s in range(2)], [failure]),
              "baseline": A.variant_stats("baseline", [summary("baseline", 0, [10.0, 7.0])])}
     table = A.build_table(stats, [failure], "L")
@@ -130,7 +130,7 @@ def test_failed_run_is_reported_by_name_and_excluded():
 def test_run_one_turns_a_failing_trainer_into_a_failure_with_its_stderr(tmp_path):
     spec = A.RunSpec("full", 0, ["--preset=cpu", "--no_such_flag=1", "--run_id=full_s0", f"--log_dir={tmp_path}"])
     out = A.run_one(spec, tmp_path, threads=1)
-    assert isinstance(out, A.Failure) and out.run_id == "full_s0"
+    assert isinstance(out, A.FailedRun) and out.run_id == "full_s0"
     assert "exit status 2" in out.reason and "unknown argument '--no_such_flag=1'" in out.reason
     assert (tmp_path / "full_s0.out").is_file()
 
@@ -267,3 +267,14 @@ def test_gpu_check_kernel_table_from_a_chrome_trace(tmp_path):
     table = G.kernel_table(trace, top=1)
     assert table["top_kernels"] == [{"name": "triton_mm", "ms": 6.0}]
     assert (table["kernel_ms"], table["communication_ms"], table["compute_ms"]) == (9.0, 3.0, 6.0)
+
+
+def test_report_only_tabulates_finished_runs_and_names_the_missing_ones(tmp_path):
+    out = tmp_path / "out"
+    write_finished_runs(out / "logs", ["full", "baseline"], 1, {"full": [10.8, 6.0, 5.0], "baseline": [10.8, 7.0, 6.0]})
+    rc = A.main(["--report-only", "--variants=full,baseline", "--seeds=2", "--num_iterations=6",
+                 "--val_every=3", "--val_tokens=4096", f"--out={out}"])
+    md = (out / "ablation.md").read_text()
+    assert rc == 1 and "| full | 1 | 5.0000 |" in md and "| baseline | 1 | 6.0000 |" in md
+    assert "- full_s1: not run (--report-only" in md and "- baseline_s1: not run" in md
+    assert not list((out / "logs").glob("*_s1.json"))  # nothing was trained
