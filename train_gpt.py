@@ -571,16 +571,20 @@ class LayerRoles:
     n_encoder: int
     n_value_embeds: int
 
+    VALUE_EMBED_TABLES = 3  # R: three value-embedding tables, read by the first three and the last three layers
+    LONG_WINDOW_EVERY = 4  # R: encoder layers 0, 4, ... have the long window; the decoder mirrors the encoder
+    NO_ATTENTION_OFFSET = 1  # R: the layer just after the middle (7 of 12) has no attention, only its MLP
+
     @staticmethod
     def for_depth(n_layer: int, value_embeds: bool = True) -> "LayerRoles":
         n_enc = n_layer // 2
-        n_ve = min(3, n_enc) if value_embeds else 0
+        n_ve = min(LayerRoles.VALUE_EMBED_TABLES, n_enc) if value_embeds else 0
         ve: list[int | None] = [None] * n_layer
         for i in range(n_ve):
             ve[i] = ve[n_layer - n_ve + i] = i
-        encoder_long = [i % 4 == 0 for i in range(n_enc)]
+        encoder_long = [i % LayerRoles.LONG_WINDOW_EVERY == 0 for i in range(n_enc)]
         return LayerRoles(value_embed=tuple(ve),
-                          attention=tuple(i != n_enc + 1 for i in range(n_layer)),
+                          attention=tuple(i != n_enc + LayerRoles.NO_ATTENTION_OFFSET for i in range(n_layer)),
                           long_window=tuple(encoder_long + encoder_long[::-1]),
                           n_encoder=n_enc, n_value_embeds=n_ve)
 
@@ -834,18 +838,43 @@ class Rotary(nn.Module):
         return torch.cat((x1 * cos + x2 * sin, x2 * cos - x1 * sin), dim=-1).type_as(x)
 
 
+@dataclass(frozen=True)
+class ModelConfig:
+    """What the modules are built from: the model's share of the hyperparameters."""
+    vocab_size: int
+    n_layer: int
+    model_dim: int
+    n_head: int
+    head_dim: int
+    max_seq_len: int  # the rotary tables cover the longer of training and validation sequences
+    attn_scale: float
+    qk_norm: bool
+    zero_init: bool
+    mlp_act: str
+    value_embeds: bool
+    unet_skips: bool
+    logit_softcap: float
+
+    @staticmethod
+    def of(args: Hyperparameters) -> "ModelConfig":
+        names = {f.name for f in fields(ModelConfig)} - {"max_seq_len"}
+        return ModelConfig(max_seq_len=max(args.seq_len, args.val_seq_len),
+                           **{name: getattr(args, name) for name in names})
+
+
 class CausalSelfAttention(nn.Module):
-    def __init__(self, args: Hyperparameters, max_seq_len: int, uses_value_embed: bool):
+    def __init__(self, cfg: ModelConfig, uses_value_embed: bool, backend):
         super().__init__()
-        dim, hdim = args.model_dim, args.n_head * args.head_dim
-        self.n_head, self.head_dim, self.scale, self.qk_norm = args.n_head, args.head_dim, args.attn_scale, args.qk_norm
+        dim, hdim = cfg.model_dim, cfg.n_head * cfg.head_dim
+        self.n_head, self.head_dim, self.scale, self.qk_norm = cfg.n_head, cfg.head_dim, cfg.attn_scale, cfg.qk_norm
+        self.backend = backend  # bound here; GPT.decode swaps in its KV cache for the duration of a call
         bound = math.sqrt(3) * 0.5 / math.sqrt(dim)
         self.qkv_w = nn.Parameter(torch.empty(3, hdim, dim).uniform_(-bound, bound))  # Q, K, V kept apart for Muon
         self.lambdas = nn.Parameter(torch.tensor([0.5, 0.5] if uses_value_embed else [0.5]))
-        self.rotary = Rotary(args.head_dim, max_seq_len)
-        self.c_proj = CastedLinear(hdim, dim, zero_init=args.zero_init)
+        self.rotary = Rotary(cfg.head_dim, cfg.max_seq_len)
+        self.c_proj = CastedLinear(hdim, dim, zero_init=cfg.zero_init)
 
-    def forward(self, x: Tensor, ve: Tensor | None, mask, backend, offset: int = 0) -> Tensor:
+    def forward(self, x: Tensor, ve: Tensor | None, mask, offset: int = 0) -> Tensor:
         B, T = x.shape[:2]
         qkv = F.linear(x, self.qkv_w.flatten(end_dim=1).type_as(x)).view(B, T, 3 * self.n_head, self.head_dim)
         q, k, v = qkv.chunk(3, dim=-2)
@@ -853,32 +882,32 @@ class CausalSelfAttention(nn.Module):
             q, k = rms_norm(q), rms_norm(k)
         q, k = self.rotary(q, offset), self.rotary(k, offset)
         v = self.lambdas[0] * v if ve is None else self.lambdas[0] * v + self.lambdas[1] * ve.view_as(v)
-        y = backend.attend(q, k, v, mask, self.scale)
+        y = self.backend.attend(q, k, v, mask, self.scale)
         return self.c_proj(y.reshape(B, T, -1))
 
 
 class MLP(nn.Module):
-    def __init__(self, args: Hyperparameters):
+    def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.c_fc = CastedLinear(args.model_dim, 4 * args.model_dim)
-        self.c_proj = CastedLinear(4 * args.model_dim, args.model_dim, zero_init=args.zero_init)
-        self.act = (lambda h: F.relu(h).square()) if args.mlp_act == "relu2" else F.gelu
+        self.c_fc = CastedLinear(cfg.model_dim, 4 * cfg.model_dim)
+        self.c_proj = CastedLinear(4 * cfg.model_dim, cfg.model_dim, zero_init=cfg.zero_init)
+        self.act = (lambda h: F.relu(h).square()) if cfg.mlp_act == "relu2" else F.gelu
 
     def forward(self, x: Tensor) -> Tensor:
         return self.c_proj(self.act(self.c_fc(x)))
 
 
 class Block(nn.Module):
-    def __init__(self, args: Hyperparameters, max_seq_len: int, has_attention: bool, uses_value_embed: bool):
+    def __init__(self, cfg: ModelConfig, has_attention: bool, uses_value_embed: bool, backend):
         super().__init__()
-        self.attn = CausalSelfAttention(args, max_seq_len, uses_value_embed) if has_attention else None
-        self.mlp = MLP(args)
+        self.attn = CausalSelfAttention(cfg, uses_value_embed, backend) if has_attention else None
+        self.mlp = MLP(cfg)
         self.lambdas = nn.Parameter(torch.tensor([1.0, 0.0]))  # mix of the stream and the embedding x0
 
-    def forward(self, x: Tensor, x0: Tensor, ve: Tensor | None, mask, backend, offset: int = 0) -> Tensor:
+    def forward(self, x: Tensor, x0: Tensor, ve: Tensor | None, mask, offset: int = 0) -> Tensor:
         x = self.lambdas[0] * x + self.lambdas[1] * x0
         if self.attn is not None:
-            x = x + self.attn(rms_norm(x), ve, mask, backend, offset)
+            x = x + self.attn(rms_norm(x), ve, mask, offset)
         return x + self.mlp(rms_norm(x))
 
 
@@ -897,18 +926,18 @@ class GPT(nn.Module):
         if chunked_loss and fp8_head:
             raise ValueError("the chunked head + loss computes the head in the activation dtype, not FP8")
         self.chunked_loss = chunked_loss
-        self.roles = LayerRoles.for_depth(args.n_layer, args.value_embeds)
+        cfg = self.config = ModelConfig.of(args)
+        self.roles = LayerRoles.for_depth(cfg.n_layer, cfg.value_embeds)
         self.backend = ATTENTION_BACKENDS[attention]
-        self.vocab_size, self.softcap, self.unet = args.vocab_size, args.logit_softcap, args.unet_skips
-        max_seq_len = max(args.seq_len, args.val_seq_len)
-        self.embed = nn.Embedding(args.vocab_size, args.model_dim)
-        self.value_embeds = nn.ModuleList(nn.Embedding(args.vocab_size, args.model_dim)
+        self.vocab_size, self.softcap, self.unet = cfg.vocab_size, cfg.logit_softcap, cfg.unet_skips
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.model_dim)
+        self.value_embeds = nn.ModuleList(nn.Embedding(cfg.vocab_size, cfg.model_dim)
                                           for _ in range(self.roles.n_value_embeds))
         self.blocks = nn.ModuleList(
-            Block(args, max_seq_len, self.roles.attention[i], self.roles.value_embed[i] is not None)
-            for i in range(args.n_layer))
-        self.skip_weights = nn.Parameter(torch.ones(self.roles.n_encoder)) if args.unet_skips else None
-        self.lm_head = CastedLinear(args.model_dim, next_multiple(args.vocab_size, 128), zero_init=args.zero_init,
+            Block(cfg, self.roles.attention[i], self.roles.value_embed[i] is not None, self.backend)
+            for i in range(cfg.n_layer))
+        self.skip_weights = nn.Parameter(torch.ones(self.roles.n_encoder)) if cfg.unet_skips else None
+        self.lm_head = CastedLinear(cfg.model_dim, next_multiple(cfg.vocab_size, 128), zero_init=cfg.zero_init,
                                     fp8=fp8_head)
 
     def forward(self, tokens: Tensor, targets: Tensor, windows: Tensor) -> Tensor:
@@ -930,9 +959,9 @@ class GPT(nn.Module):
     def final_hidden(self, tokens: Tensor, windows: Tensor) -> Tensor:
         """The normed residual stream (1, T, model_dim) the head reads."""
         masks = {True: self.backend.build_mask(tokens, windows[0]), False: self.backend.build_mask(tokens, windows[1])}
-        return rms_norm(self.trunk(tokens, [masks[long] for long in self.roles.long_window], self.backend))
+        return rms_norm(self.trunk(tokens, [masks[long] for long in self.roles.long_window]))
 
-    def trunk(self, tokens: Tensor, layer_masks: list, backend, offset: int = 0) -> Tensor:
+    def trunk(self, tokens: Tensor, layer_masks: list, offset: int = 0) -> Tensor:
         """Embeddings through every block (value embeddings, x0 mixing, U-net skips): the residual stream."""
         ve = [emb(tokens)[None] for emb in self.value_embeds]
         x = x0 = rms_norm(self.embed(tokens)[None])
@@ -941,7 +970,7 @@ class GPT(nn.Module):
             if self.unet and i >= self.roles.n_encoder:
                 x = x + self.skip_weights[i - self.roles.n_encoder] * skips.pop()
             ve_i = self.roles.value_embed[i]
-            x = block(x, x0, None if ve_i is None else ve[ve_i], layer_masks[i], backend, offset)
+            x = block(x, x0, None if ve_i is None else ve[ve_i], layer_masks[i], offset)
             if self.unet and i < self.roles.n_encoder:
                 skips.append(x)
         return x
@@ -954,7 +983,14 @@ class GPT(nn.Module):
         from the cache, so a new token costs O(window) instead of a pass over the whole prefix.
         """
         start = cache.extend(tokens)
-        x = self.trunk(tokens, list(range(len(self.blocks))), cache, offset=start)
+        attentions = [block.attn for block in self.blocks if block.attn is not None]
+        for attn in attentions:
+            attn.backend = cache
+        try:
+            x = self.trunk(tokens, list(range(len(self.blocks))), offset=start)
+        finally:
+            for attn in attentions:
+                attn.backend = self.backend
         return self.lm_head(rms_norm(x[0, -1]))
 
     @property
