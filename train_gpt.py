@@ -94,7 +94,7 @@ class Hyperparameters:
     """Every knob of a run. The defaults are the `speedrun` preset: the 2025-01-26 record of the NanoGPT
     speedrun ("R" below: records/012625_BatchSize of modded-nanogpt), whose values tests/test_config.py pins."""
     preset: str = "auto"  # speedrun | cpu; auto picks speedrun when CUDA is present, cpu otherwise
-    seed: int = 0
+    seed: int = 0  # model initialisation (data order is fixed by the shards)
     # data
     train_files: str = "data/fineweb10B/fineweb_train_*.bin"
     val_files: str = "data/fineweb10B/fineweb_val_*.bin"
@@ -113,11 +113,11 @@ class Hyperparameters:
     window_final_tokens: int = 1728  # R: window grows linearly to next_multiple(1728 * step / 1770, 128) tokens
     sliding_window: bool = True  # False: full causal attention within documents (ablation)
     # model (R: 12 x 768, 6 heads of 128; GPT-2 vocabulary, head padded to 50304)
-    vocab_size: int = 50257
-    n_layer: int = 12
-    model_dim: int = 768
-    n_head: int = 6
-    head_dim: int = 128
+    vocab_size: int = 50257  # GPT-2's BPE vocabulary (the head pads it to 50304, a multiple of 128)
+    n_layer: int = 12  # R: GPT-2 small's depth
+    model_dim: int = 768  # R: GPT-2 small's width
+    n_head: int = 6  # R: 6 heads of 128 (GPT-2 small has 12 of 64)
+    head_dim: int = 128  # R: wide heads, half of each rotated by rotary
     attn_scale: float = 0.12  # R: fixed attention temperature instead of 1/sqrt(128)
     logit_softcap: float = 30.0  # R: 30 * sigmoid(logits / 7.5); 0 turns the softcap off
     value_embeds: bool = True  # R: three value-embedding tables (value residual, arXiv 2410.17897)
