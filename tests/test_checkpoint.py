@@ -1,6 +1,7 @@
 """Checkpoints of train_gpt.py: exact resume, signals, and failures that never lose a good checkpoint."""
 import errno
 import hashlib
+import json
 import os
 import signal
 import subprocess
@@ -73,6 +74,9 @@ def test_sigterm_on_one_rank_checkpoints_all_ranks_and_resume_continues(tmp_path
     ckpts = list((tmp_path / "sig").glob("step_*"))
     assert len(ckpts) == 1 and sorted(p.name for p in ckpts[0].iterdir()) == ["checkpoint.json", "rank0.pt", "rank1.pt"]
     stopped_at = int(ckpts[0].name.split("_")[1])
+    meta = json.loads((ckpts[0] / "checkpoint.json").read_text())
+    assert meta["runtime"] == {"attention": "banded", "fp8_head": False, "compile": "off", "dtype": "bfloat16",
+                               "device": "cpu", "chunked_loss": True, "world_size": 2}  # resolved, not "auto"/true
     state = torch.load(ckpts[0] / "rank1.pt", weights_only=True)
     assert state["step"] == stopped_at
     resumed = run_trainer(TINY + [f"--num_iterations={stopped_at + 2}", "--val_every=0", "--run_id=after",
