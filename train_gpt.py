@@ -161,7 +161,7 @@ class Hyperparameters:
     checkpoint_every: int = 0  # 0: only with checkpoint_final
     checkpoint_final: bool = False
     checkpoint_keep: int = 2
-    resume: str = ""  # a checkpoint folder, or "latest" (newest under log_dir)
+    resume: str = ""  # a checkpoint folder; "latest" (newest under log_dir); "auto" (this run_id's newest, else fresh)
     stop_after: int = 0  # stop (with a checkpoint) after this step; for preemption tests and resume drills
 
 
@@ -330,6 +330,9 @@ def validate_args(args: Hyperparameters) -> None:
         raise UsageError(f"--n_layer={args.n_layer}: the U-net layout needs an even depth >= 2")
     if args.head_dim % 4:
         raise UsageError(f"--head_dim={args.head_dim} must be a positive multiple of 4 (half-truncated rotary)")
+    if args.resume == "auto" and not args.run_id:
+        raise UsageError("--resume=auto needs --run_id=NAME: a restarted run finds its checkpoints under "
+                         "log_dir/NAME (and never another run's)")
 
 
 # -----------------------------------------------------------------------------
@@ -1991,10 +1994,12 @@ def clean_stale_staging(args: Hyperparameters, run_id: str, log: RunLog) -> None
 
 
 def checkpoint_candidates(args: Hyperparameters) -> list[Path]:
-    """The folder --resume names; for 'latest', every finished checkpoint under log_dir, newest first."""
-    if args.resume == "latest":
-        found = [c for run in Path(args.log_dir).glob("*") if run.is_dir() for c in complete_checkpoints(run)]
-        if not found:
+    """The folder --resume names; for 'latest', every finished checkpoint under log_dir, newest first;
+    for 'auto', those of --run_id's folder (none: a fresh start, so a restarted run finds its own)."""
+    if args.resume in ("latest", "auto"):
+        runs = [Path(args.log_dir) / args.run_id] if args.resume == "auto" else Path(args.log_dir).glob("*")
+        found = [c for run in runs if run.is_dir() for c in complete_checkpoints(run)]
+        if not found and args.resume == "latest":
             raise UsageError(f"--resume=latest: no finished checkpoint under {args.log_dir}/; "
                              "train with --checkpoint_every=N first")
         return sorted(found, key=lambda c: (c.stat().st_mtime, c.name), reverse=True)
@@ -2052,7 +2057,7 @@ def rank_file_problem(path: Path, meta: dict, rank: int) -> str:
     return ""
 
 
-def choose_checkpoint(args: Hyperparameters, rt: Runtime) -> tuple[Path, list[str]]:
+def choose_checkpoint(args: Hyperparameters, rt: Runtime) -> tuple[Path | None, list[str]]:
     """The checkpoint to resume from, verified on every rank at start-up, and lines for the run log.
 
     An explicit folder that fails verification is refused; --resume=latest falls back to the newest
@@ -2063,12 +2068,15 @@ def choose_checkpoint(args: Hyperparameters, rt: Runtime) -> tuple[Path, list[st
         shared = [candidates]
         dist.broadcast_object_list(shared, src=0)
         candidates = shared[0]
+    fallback = args.resume in ("latest", "auto")
+    if not candidates:  # --resume=auto before this run's first checkpoint
+        return None, [f"--resume=auto: no finished checkpoint of run {args.run_id} yet: starting afresh"]
     notes = []
     for path in candidates:
         try:
             meta, problem = read_checkpoint_meta(path), ""
         except UsageError as e:
-            if args.resume != "latest":
+            if not fallback:
                 raise
             meta, problem = None, str(e)
         if meta is not None:
@@ -2078,15 +2086,15 @@ def choose_checkpoint(args: Hyperparameters, rt: Runtime) -> tuple[Path, list[st
             if "files" not in meta:
                 notes.append(f"warning: checkpoint {path} records no file hashes (older train_gpt.py); not verified")
             if path != candidates[0]:
-                notes.append(f"--resume=latest: falling back to {path}")
+                notes.append(f"--resume={args.resume}: falling back to {path}")
             return path, notes
         problem = problem or "a rank file failed verification on another rank"
-        if args.resume != "latest":
+        if not fallback:
             raise UsageError(f"checkpoint {path} failed verification: {problem}; resume from an earlier checkpoint "
                              "or pass --resume=latest to use the newest one that verifies")
-        notes.append(f"--resume=latest: skipping checkpoint {path}: {problem}")
-    raise UsageError(f"--resume=latest: none of the {len(candidates)} checkpoint(s) under {args.log_dir}/ verifies "
-                     f"(newest: {notes[0].split(': ', 2)[-1]}); start afresh without --resume")
+        notes.append(f"--resume={args.resume}: skipping checkpoint {path}: {problem}")
+    raise UsageError(f"--resume={args.resume}: none of the {len(candidates)} checkpoint(s) under {args.log_dir}/ "
+                     f"verifies (newest: {notes[0].split(': ', 2)[-1]}); start afresh without --resume")
 
 
 def load_checkpoint(path: Path, args: Hyperparameters, rt: Runtime, log: RunLog) -> dict:

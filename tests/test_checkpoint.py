@@ -178,3 +178,44 @@ def test_a_hung_rank_stops_the_others_after_the_collective_timeout(tmp_path):
     assert "error: a collective failed on rank 0" in err and "Traceback" not in err
     assert len(err.strip().splitlines()) == 1
     assert log.read_text().splitlines()[-1].startswith("error: ")
+
+
+def final_val_loss(text):
+    lines = [T.parse_progress_line(line) for line in text.splitlines() if line.startswith("final:")]
+    return lines[-1].fields["val_loss"]
+
+
+def test_a_killed_rank_restarts_from_the_last_checkpoint_with_the_same_final_loss(tmp_path):
+    """torchrun --max_restarts=1 with --resume=auto: one rank is SIGKILLed mid-run, torchrun restarts both,
+    they resume from the newest checkpoint and end at the final loss of an uninterrupted run that took the
+    same checkpoints (2-rank resume is exact in practice; 1e-4 as in the resume test above)."""
+    args = TINY + ["--num_iterations=40", "--val_every=0", "--checkpoint_every=5", "--checkpoint_keep=2",
+                   "--run_id=auto", "--resume=auto"]
+    whole = run_trainer(args, tmp_path / "whole", nproc=2)
+    assert whole.returncode == 0, whole.stderr[-2000:]
+    log_dir = tmp_path / "killed"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "--max_restarts=1",
+           str(REPO / "train_gpt.py"), *args, f"--log_dir={log_dir}"]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    log = log_dir / "auto.txt"
+    deadline = time.time() + 120
+    while time.time() < deadline and not (log.exists() and "step:12/" in log.read_text()):
+        time.sleep(0.1)
+    workers = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
+    assert len(workers) == 2, workers
+    os.kill(int(workers[-1]), signal.SIGKILL)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-3000:]
+    text = log.read_text()
+    assert "--resume=auto: no finished checkpoint of run auto yet: starting afresh" in text
+    resumed = [line for line in text.splitlines() if line.startswith("resumed from ")]
+    assert len(resumed) == 1 and str(log_dir / "auto" / "step_0000") in resumed[0], resumed
+    assert abs(final_val_loss(text) - final_val_loss((tmp_path / "whole" / "auto.txt").read_text())) < 1e-4
+
+
+def test_resume_auto_needs_a_run_id(tmp_path):
+    result = run_trainer(TINY + ["--resume=auto"], tmp_path)
+    assert result.returncode == 2 and result.stderr.strip() == (
+        "error: --resume=auto needs --run_id=NAME: a restarted run finds its checkpoints under log_dir/NAME (and "
+        "never another run's)")
