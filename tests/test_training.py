@@ -154,3 +154,28 @@ def test_compiled_runs_match_eager_on_cpu(tmp_path, tiny, mode):
         runs[compile_mode] = train_losses((tmp_path / f"{compile_mode}.txt").read_text())
     assert sorted(runs[mode]) == [1, 2]
     assert all(abs(runs[mode][s] - runs["off"][s]) < 2e-3 for s in runs["off"])
+
+
+def test_two_nodes_of_one_process_equal_one_node_of_two(tmp_path, tiny):
+    """Two torchrun launchers on loopback (c10d rendezvous, gloo) are a 2-rank run like --nproc_per_node=2."""
+    import os
+    import socket
+    import subprocess
+    import sys
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    args = tiny + ["--run_id=nodes", f"--log_dir={tmp_path / 'nodes'}"]
+    launch = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1", "--rdzv_backend=c10d",
+              f"--rdzv_endpoint=127.0.0.1:{port}", "--rdzv_id=two_nodes", str(REPO / "train_gpt.py"), *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    nodes = [subprocess.Popen(launch, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for _ in range(2)]
+    results = [node.communicate(timeout=300) for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], [err[-2000:] for _, err in results]
+    two_nodes = train_losses((tmp_path / "nodes" / "nodes.txt").read_text())
+    one_node = run_trainer(tiny + ["--run_id=one"], tmp_path / "one", nproc=2)
+    assert one_node.returncode == 0, one_node.stderr[-2000:]
+    summary = json.loads((tmp_path / "nodes" / "nodes.json").read_text())
+    assert summary["world_size"] == 2 and summary["runtime"]["world_size"] == 2
+    assert two_nodes == train_losses((tmp_path / "one" / "one.txt").read_text()) and len(two_nodes) == 4
