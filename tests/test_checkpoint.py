@@ -196,8 +196,10 @@ def test_a_killed_rank_restarts_from_the_last_checkpoint_with_the_same_final_los
     log_dir = tmp_path / "killed"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "--max_restarts=1",
            str(REPO / "train_gpt.py"), *args, f"--log_dir={log_dir}"]
+    # pytorch/pytorch#135712: with the rendezvous store shared, a restarted worker can read its peer's address
+    # from the previous attempt (gloo "connectFullMesh ... Connection refused"); a separate store avoids that.
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+                            env={**os.environ, "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
     log = log_dir / "auto.txt"
     deadline = time.time() + 120
     while time.time() < deadline and not (log.exists() and "step:12/" in log.read_text()):
