@@ -201,7 +201,7 @@ def build_table(stats: dict[str, VariantStats], failures: list[FailedRun], label
               "recipe's token budget. tokens/s is training throughput with validation excluded, measured while "
               "parallel runs shared the cores."]
     if failures:
-        lines += ["", "Failed runs (excluded):"]
+        lines += ["", "Runs left out (failed, or not run):"]
         lines += [f"- {f.run_id}: {f.reason}" for f in failures]
     return Table(rows=rows, target=target, headline=headline, markdown="\n".join(lines) + "\n")
 

@@ -124,7 +124,7 @@ def test_failed_run_is_reported_by_name_and_excluded():
              "baseline": A.variant_stats("baseline", [summary("baseline", 0, [10.0, 7.0])])}
     table = A.build_table(stats, [failure], "L")
     assert {r["name"]: r["n"] for r in table.rows}["full"] == 2
-    assert "Failed runs (excluded):\n- full_s2: exit status 2: error: something broke" in table.markdown
+    assert "Runs left out (failed, or not run):\n- full_s2: exit status 2: error: something broke" in table.markdown
 
 
 def test_run_one_turns_a_failing_trainer_into_a_failure_with_its_stderr(tmp_path):
