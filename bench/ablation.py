@@ -405,8 +405,9 @@ def main(argv: list[str] | None = None) -> int:
         print("error: no run finished; nothing to report", file=sys.stderr)
         return 1
     table = build_table(stats, failures, label)
+    trained = 0 if a.report_only else len(specs) - reused
     text = table.markdown + (f"\nWall time of this invocation: {time.time() - started:.0f} s "
-                             f"({len(specs) - reused} run(s) trained, {reused} reused from earlier invocations).\n")
+                             f"({trained} run(s) trained, {reused} reused from earlier invocations).\n")
     (out / "ablation.md").write_text(text)
     print(text)
     print(plot(stats, table.target, label, out / "ablation.png"))
