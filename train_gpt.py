@@ -1556,6 +1556,7 @@ PROGRESS_FIELDS = {  # name: (decimals, unit)
     "energy": (0, "J"), "hellaswag_acc": (4, ""), "hellaswag_acc_norm": (4, ""), "hellaswag_examples": (0, ""),
     "hellaswag_time": (0, "ms"), "steps": (0, ""), "tokens": (0, ""),
 }
+PROGRESS_UNITS = sorted({unit for _, unit in PROGRESS_FIELDS.values() if unit})  # what the reader strips
 
 
 def progress_line(step: int | None, total: int, **values: float) -> str:
@@ -1593,7 +1594,7 @@ def parse_progress_line(line: str) -> ProgressLine | None:
     values = {}
     for word in words[1:]:
         name, sep, text = word.partition(":")
-        unit = next((u for u in ("ms", "J", "W") if text.endswith(u) and text != u), "")
+        unit = next((u for u in PROGRESS_UNITS if text.endswith(u) and text != u), "")
         try:
             values[name] = float(text[:len(text) - len(unit)])
         except ValueError:
