@@ -17,15 +17,16 @@ schedules, run log and accounting, checkpoints, training loop.
 from __future__ import annotations
 
 import contextlib
-import copy
 import dataclasses
 import fcntl
+import functools
 import glob
 import hashlib
 import json
 import logging
 import math
 import os
+import pickle
 import platform
 import shutil
 import signal
@@ -35,6 +36,7 @@ import time
 import types
 import typing
 import uuid
+import warnings
 from dataclasses import dataclass, fields
 from datetime import timedelta
 from pathlib import Path
@@ -42,9 +44,13 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Shard
 
 REPO_DIR = Path(__file__).resolve().parent
 EOT_TOKEN = 50256  # <|endoftext|>: every document starts with it
@@ -330,6 +336,10 @@ def validate_args(args: Hyperparameters) -> None:
         raise UsageError(f"--n_layer={args.n_layer}: the U-net layout needs an even depth >= 2")
     if args.head_dim % 4:
         raise UsageError(f"--head_dim={args.head_dim} must be a positive multiple of 4 (half-truncated rotary)")
+    if args.value_embeds and args.model_dim != args.n_head * args.head_dim:
+        raise UsageError(f"--value_embeds=true adds model_dim-wide tables to the values, so --model_dim="
+                         f"{args.model_dim} must equal --n_head x --head_dim = {args.n_head * args.head_dim}; "
+                         "change one of them or pass --value_embeds=false")
     if args.resume == "auto" and not args.run_id:
         raise UsageError("--resume=auto needs --run_id=NAME: a restarted run finds its checkpoints under "
                          "log_dir/NAME (and never another run's)")
@@ -1342,13 +1352,18 @@ class Muon:
         shape_scale = max(1.0, p.size(-2) / p.size(-1)) ** 0.5  # the record's max(1, rows/cols)**0.5
         p.data.sub_((lr * shape_scale) * update.view_as(p).to(p.dtype))
 
-    def state_dict(self) -> dict:
-        """Momentum of the matrices this rank owns, keyed by parameter name."""
-        return {name: self.momentum_buffers[i] for name, i in self.index_of.items()}
+    def state_tensors(self) -> dict[str, Tensor]:
+        """The momenta of the matrices this rank owns, as muon/<parameter name>: which rank owns a matrix
+        depends on the world size, its momentum's name does not."""
+        return {f"muon/{name}": self.momentum_buffers[i] for name, i in self.index_of.items()}
 
-    def load_state_dict(self, state: dict) -> None:
-        for name, buf in state.items():
-            self.momentum_buffers[self.index_of[name]].copy_(buf)
+
+@dataclass
+class FlatShard:
+    """This rank's piece of a tensor flattened to numel elements: ceil(numel / world_size) elements per
+    rank, rank r's starting at r times that (torch.chunk's split, which DTensor's Shard(0) uses too)."""
+    local: Tensor
+    numel: int
 
 
 class ShardedAdam:
@@ -1399,16 +1414,27 @@ class ShardedAdam:
             p = bucket.real[0]
             p.data.view(-1).copy_(bucket.gather_out[:p.numel()])
 
-    def state_dict(self) -> dict:
-        """This rank's master slices and Adam moments, keyed by parameter name."""
-        return {name: {"master": master, **self.adam.state.get(master, {})}
-                for name, master in zip(self.names, self.masters)}
+    def adam_state(self, master: Tensor) -> dict[str, Tensor]:
+        """AdamW's state of a master slice, created as AdamW would create it (zeros, step 0) if it has not
+        stepped yet, so that a checkpoint has one layout whenever it is taken."""
+        state = self.adam.state[master]
+        if not state:
+            fused = self.adam.defaults["fused"]
+            state["step"] = torch.zeros((), dtype=torch.float32, device=master.device if fused else "cpu")
+            state["exp_avg"], state["exp_avg_sq"] = torch.zeros_like(master), torch.zeros_like(master)
+        return state
 
-    def load_state_dict(self, state: dict) -> None:
-        for name, master in zip(self.names, self.masters):
-            saved = dict(state[name])
-            master.data.copy_(saved.pop("master"))
-            self.adam.state[master] = {k: v.clone() for k, v in saved.items()}
+    def state_tensors(self) -> dict[str, Tensor | FlatShard]:
+        """adam/<parameter name>/<master|exp_avg|exp_avg_sq|step>: the slices as pieces of the flat
+        parameter, which any world size can cut again; the step count is the same on every rank."""
+        out: dict[str, Tensor | FlatShard] = {}
+        for name, bucket, master in zip(self.names, self.buckets, self.masters):
+            state, numel = self.adam_state(master), bucket.real[0].numel()
+            out[f"adam/{name}/master"] = FlatShard(master, numel)
+            out[f"adam/{name}/exp_avg"] = FlatShard(state["exp_avg"], numel)
+            out[f"adam/{name}/exp_avg_sq"] = FlatShard(state["exp_avg_sq"], numel)
+            out[f"adam/{name}/step"] = state["step"]
+        return out
 
 
 @dataclass
@@ -1428,13 +1454,9 @@ class Optimizers:
         ShardedAdam.finish_step(adam_gathers)
         self.sync.reset()
 
-    def state_dict(self) -> dict:
-        return {"adam": self.adam.state_dict(), "muon": self.muon.state_dict() if self.muon else None}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.adam.load_state_dict(state["adam"])
-        if self.muon is not None:
-            self.muon.load_state_dict(state["muon"])
+    def state_tensors(self) -> dict[str, Tensor | FlatShard]:
+        """Every optimizer tensor this rank holds, aliasing the live ones, under world-size-free names."""
+        return {**self.adam.state_tensors(), **(self.muon.state_tensors() if self.muon else {})}
 
 
 def build_optimizers(model: GPT, args: Hyperparameters, rank: int, world_size: int, accum: int,
@@ -1794,38 +1816,55 @@ def make_profiler(args: Hyperparameters, rt: Runtime, trace_path: Path):
 MODEL_SHAPE_FIELDS = ("vocab_size", "n_layer", "model_dim", "n_head", "head_dim", "value_embeds", "unet_skips")
 OPTIMIZER_STRUCTURE_FIELDS = ("muon",)  # decides which matrices Muon owns, hence the optimizer state's layout
 CHECKPOINT_META = "checkpoint.json"
+# A torch.distributed.checkpoint folder that any world size resumes; earlier ones had a rank<r>.pt per rank.
+CHECKPOINT_FORMAT = "dcp-1"
 
 
 def source_sha256() -> str:
     return hashlib.sha256(Path(__file__).read_bytes()).hexdigest()
 
 
-def training_state(model: GPT, opt: Optimizers, stream: TokenStream, step: int, with_model: bool = True) -> dict:
-    """Everything a rank needs to continue exactly: weights (identical on all ranks, so a checkpoint
-    keeps rank 0's only), its optimizer shards, the data position and the RNG."""
-    rng = {"cpu": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        rng["cuda"] = torch.cuda.get_rng_state()
-    state = {"step": step, "optimizers": opt.state_dict(), "loader": stream.state(), "rng": rng}
-    if with_model:
-        state["model"] = model.state_dict()
-    return state
+@dataclass
+class TrainingState:
+    """What a run continues from. The tensors alias the live ones and are named so that they mean the
+    same at any world size: model/<name> (identical on every rank), the Adam slices this rank owns as
+    FlatShards, the Muon momenta of the matrices it owns. The data position is one global stream, which
+    every world size walks alike. Nothing draws random numbers after the model is built, so no RNG
+    state is kept (a technique that does must derive its numbers from the seed and the step)."""
+    step: int
+    loader: dict
+    tensors: dict[str, Tensor | FlatShard]
 
 
-def restore_training_state(state: dict, model: GPT, opt: Optimizers, stream: TokenStream, rt: Runtime) -> int:
-    """The inverse of training_state; ranks whose state has no weights receive rank 0's."""
-    with torch.no_grad():
-        for name, tensor in model.state_dict().items():
-            if "model" in state:
-                tensor.copy_(state["model"][name])
-            if rt.world_size > 1:
-                dist.broadcast(tensor, src=0)
-    opt.load_state_dict(state["optimizers"])
-    stream.load_state(state["loader"])
-    torch.set_rng_state(state["rng"]["cpu"])
-    if "cuda" in state["rng"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["rng"]["cuda"])
-    return state["step"]
+def training_state(model: GPT, opt: Optimizers, stream: TokenStream, step: int) -> TrainingState:
+    tensors = {f"model/{name}": t for name, t in model.state_dict().items()}
+    return TrainingState(step=step, loader=stream.state(), tensors={**tensors, **opt.state_tensors()})
+
+
+def local_part(t: Tensor | FlatShard) -> Tensor:
+    return t.local if isinstance(t, FlatShard) else t
+
+
+@functools.cache
+def checkpoint_mesh(device_type: str, world_size: int):
+    return init_device_mesh(device_type, (world_size,))
+
+
+def as_dcp_state(state: TrainingState, rt: Runtime) -> dict[str, Tensor]:
+    """The tensors as torch.distributed.checkpoint sees them: each FlatShard a DTensor sharded over all
+    ranks, so that DCP records which piece of the flat tensor it is and re-cuts it for any world size."""
+    if rt.world_size == 1:
+        return {name: local_part(t) for name, t in state.tensors.items()}
+    mesh = checkpoint_mesh(rt.device.type, rt.world_size)
+    return {name: DTensor.from_local(t.local, mesh, [Shard(0)], run_check=False, shape=(t.numel,), stride=(1,))
+            if isinstance(t, FlatShard) else t for name, t in state.tensors.items()}
+
+
+def dcp_call(fn, state: dict, path: Path, world_size: int) -> None:
+    """dcp.save or dcp.load on a folder (without a process group on one rank, which DCP warns about)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        fn(state, checkpoint_id=str(path), no_dist=world_size == 1)
 
 
 def checkpoint_root(args: Hyperparameters, run_id: str) -> Path:
@@ -1861,7 +1900,10 @@ def gather_objects(obj, rt: Runtime) -> list:
 
 
 def write_failure(e: BaseException) -> str:
-    """One line for a failed write: torch.save reports a full disk as a RuntimeError without errno."""
+    """One line for a failed write: DCP wraps each rank's error, and torch.save reports a full disk as a
+    RuntimeError without errno."""
+    if isinstance(e, CheckpointException) and e.failures:
+        return write_failure(next(iter(e.failures.values()))[0])
     if isinstance(e, OSError) and e.strerror:
         return e.strerror
     lines = str(e).strip().splitlines()
@@ -1875,33 +1917,36 @@ def free_mib(path: Path) -> str:
     return "free space unknown"
 
 
-def save_checkpoint(state: dict, args: Hyperparameters, rt: Runtime, run_id: str, log: RunLog) -> Path:
-    """Each rank writes its file into step_N.tmp/, then rank 0 adds the metadata (with every rank
-    file's size and sha256) and renames the folder.
+def files_written_by(folder: Path, rank: int) -> list[Path]:
+    """The files of a DCP folder this rank wrote: its __<rank>_*.distcp, and .metadata on rank 0."""
+    return sorted(folder.glob(f"__{rank}_*.distcp")) + ([folder / ".metadata"] if rank == 0 else [])
 
-    A failed write (a full disk, say) removes the partial files and the staging folder on every rank
-    and leaves every earlier checkpoint untouched.
+
+def save_checkpoint(state: TrainingState, args: Hyperparameters, rt: Runtime, run_id: str, log: RunLog) -> Path:
+    """torch.distributed.checkpoint writes every rank's tensors into step_N.tmp/ (one copy of the shared
+    weights, each Adam slice and Muon momentum by its owner); rank 0 adds the metadata (with every file's
+    size and sha256, hashed by the rank that wrote it) and renames the folder.
+
+    A failed write (a full disk, say) removes the staging folder on every rank and leaves every
+    earlier checkpoint untouched.
     """
     root = checkpoint_root(args, run_id)
-    final = root / f"step_{state['step']:06d}"
+    final = root / f"step_{state.step:06d}"
     staging = root / (final.name + ".tmp")
-    target = staging / f"rank{rt.rank}.pt"
-    part = Path(str(target) + ".part")
     started = time.perf_counter()
-    error, record = "", None
+    error, records = "", {}
     try:
         staging.mkdir(parents=True, exist_ok=True)
-        torch.save(state, str(part))
-        os.replace(part, target)
-        record = file_record(target)
-    except (OSError, RuntimeError) as e:
+        dcp_call(dcp.save, as_dcp_state(state, rt), staging, rt.world_size)
+        records = {f.name: file_record(f) for f in files_written_by(staging, rt.rank)}
+    except (OSError, RuntimeError, CheckpointException) as e:
         error = write_failure(e)
     if ranks_agree(not error, rt):
-        records = gather_objects(record, rt)
+        files = {name: rec for per_rank in gather_objects(records, rt) for name, rec in per_rank.items()}
         if rt.is_master:
-            meta = {"run_id": run_id, "step": state["step"], "world_size": rt.world_size,
-                    "source_sha256": source_sha256(), "hyperparameters": dataclasses.asdict(args),
-                    "runtime": rt.resolved(), "files": {f"rank{r}.pt": rec for r, rec in enumerate(records)}}
+            meta = {"format": CHECKPOINT_FORMAT, "run_id": run_id, "step": state.step, "loader": state.loader,
+                    "world_size": rt.world_size, "source_sha256": source_sha256(),
+                    "hyperparameters": dataclasses.asdict(args), "runtime": rt.resolved(), "files": files}
             try:
                 (staging / CHECKPOINT_META).write_text(json.dumps(meta, indent=1))
                 shutil.rmtree(final, ignore_errors=True)
@@ -1909,8 +1954,6 @@ def save_checkpoint(state: dict, args: Hyperparameters, rt: Runtime, run_id: str
             except OSError as e:
                 error = write_failure(e)
     if not ranks_agree(not error, rt):
-        for leftover in (part, target):
-            leftover.unlink(missing_ok=True)
         shutil.rmtree(staging, ignore_errors=True)
         previous = complete_checkpoints(root)
         raise UsageError(f"cannot write checkpoint {final} ({error or 'failed on another rank'}); partial files "
@@ -1920,7 +1963,7 @@ def save_checkpoint(state: dict, args: Hyperparameters, rt: Runtime, run_id: str
         for old in complete_checkpoints(root)[:-max(args.checkpoint_keep, 1)]:
             shutil.rmtree(old, ignore_errors=True)
         size = sum(f.stat().st_size for f in final.iterdir())
-        log.write(f"checkpoint: {final} step:{state['step']} size:{size / 2**20:.1f}MiB "
+        log.write(f"checkpoint: {final} step:{state.step} size:{size / 2**20:.1f}MiB "
                   f"write_time:{time.perf_counter() - started:.2f}s")
     ranks_agree(True, rt)
     return final
@@ -1952,7 +1995,7 @@ def save_finite_checkpoint(watch: FiniteWatch, model: GPT, opt: Optimizers, stre
     if not watch.state_is_finite(model, rt):
         raise UsageError(f"the loss or the weights became non-finite between step {watch.good_step} and step "
                          f"{step}; no checkpoint written, {watch.hint()}: resume from it with lower learning rates")
-    watch.newest_good = save_checkpoint(training_state(model, opt, stream, step, rt.is_master), args, rt, run_id, log)
+    watch.newest_good = save_checkpoint(training_state(model, opt, stream, step), args, rt, run_id, log)
     watch.good_step = step
     return watch.newest_good
 
@@ -2015,46 +2058,44 @@ def read_checkpoint_meta(path: Path) -> dict:
     """checkpoint.json, or a one-line error when it is truncated or not a checkpoint's."""
     try:
         meta = json.loads((path / CHECKPOINT_META).read_text())
-        int(meta["step"]), int(meta["world_size"]), dict(meta["hyperparameters"])
-        return meta
+        int(meta["step"]), dict(meta["hyperparameters"])
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise UsageError(f"checkpoint {path} has an unreadable {CHECKPOINT_META} ({type(e).__name__}): it is "
                          "truncated or corrupt; resume from an earlier checkpoint") from None
+    if meta.get("format") != CHECKPOINT_FORMAT:
+        raise UsageError(f"checkpoint {path} is in the per-rank format (rank<r>.pt) of a train_gpt.py older than "
+                         f"the {CHECKPOINT_FORMAT} checkpoints; resume it with the train_gpt.py that wrote it "
+                         "(its sha256 is in checkpoint.json) or start afresh")
+    return meta
 
 
 def check_compatible(path: Path, meta: dict, args: Hyperparameters, rt: Runtime) -> None:
-    """Refuses a checkpoint this run cannot continue: another model shape, optimizer layout or world
-    size, or no steps left to train."""
+    """Refuses a checkpoint this run cannot continue: another model shape or optimizer layout, or no
+    steps left to train. Any world size can continue any other's checkpoint."""
     for names, what in ((MODEL_SHAPE_FIELDS, "model"), (OPTIMIZER_STRUCTURE_FIELDS, "optimizer")):
         for name in names:
             saved = meta["hyperparameters"].get(name, "(not recorded)")
             if saved != getattr(args, name):
                 raise UsageError(f"checkpoint {path} has {name}={saved} but this run has {name}={getattr(args, name)}; "
                                  f"pass the same {what} flags to resume it")
-    if meta["world_size"] != rt.world_size:
-        raise UsageError(f"checkpoint {path} was written by {meta['world_size']} ranks, this run has "
-                         f"{rt.world_size}; resume with --nproc_per_node={meta['world_size']} (optimizer state "
-                         "is sharded per rank)")
     if meta["step"] >= args.num_iterations:
         raise UsageError(f"checkpoint {path} is at step {meta['step']}, at or past --num_iterations="
                          f"{args.num_iterations}: nothing is left to train; pass a larger --num_iterations")
 
 
-def rank_file_problem(path: Path, meta: dict, rank: int) -> str:
-    """Why this rank's file does not match the size and sha256 in checkpoint.json ('' when it does)."""
-    name = f"rank{rank}.pt"
-    recorded = meta.get("files", {}).get(name)
-    file = path / name
-    if recorded is None:
-        return "" if "files" not in meta else f"{CHECKPOINT_META} lists no {name}"
-    if not file.is_file():
-        return f"{file} is missing"
-    actual = file_record(file)
-    if actual["bytes"] != recorded["bytes"]:
-        return (f"{file} is unreadable ({actual['bytes']} bytes, {CHECKPOINT_META} recorded {recorded['bytes']}): "
-                "it is truncated or corrupt")
-    if actual["sha256"] != recorded["sha256"]:
-        return f"{file} does not match the sha256 in {CHECKPOINT_META} (corrupt)"
+def checkpoint_files_problem(path: Path, meta: dict, rt: Runtime) -> str:
+    """Why a file does not match the size and sha256 in checkpoint.json ('' when all match); each rank
+    checks every world_size-th file, so the ranks share the reading."""
+    for name in sorted(meta["files"])[rt.rank::rt.world_size]:
+        recorded, file = meta["files"][name], path / name
+        if not file.is_file():
+            return f"{file} is missing"
+        actual = file_record(file)
+        if actual["bytes"] != recorded["bytes"]:
+            return (f"{file} is unreadable ({actual['bytes']} bytes, {CHECKPOINT_META} recorded "
+                    f"{recorded['bytes']}): it is truncated or corrupt")
+        if actual["sha256"] != recorded["sha256"]:
+            return f"{file} does not match the sha256 in {CHECKPOINT_META} (corrupt)"
     return ""
 
 
@@ -2082,14 +2123,12 @@ def choose_checkpoint(args: Hyperparameters, rt: Runtime) -> tuple[Path | None, 
             meta, problem = None, str(e)
         if meta is not None:
             check_compatible(path, meta, args, rt)
-            problem = rank_file_problem(path, meta, rt.rank)
+            problem = checkpoint_files_problem(path, meta, rt)
         if ranks_agree(not problem, rt):
-            if "files" not in meta:
-                notes.append(f"warning: checkpoint {path} records no file hashes (older train_gpt.py); not verified")
             if path != candidates[0]:
                 notes.append(f"--resume={args.resume}: falling back to {path}")
             return path, notes
-        problem = problem or "a rank file failed verification on another rank"
+        problem = problem or "a file failed verification on another rank"
         if not fallback:
             raise UsageError(f"checkpoint {path} failed verification: {problem}; resume from an earlier checkpoint "
                              "or pass --resume=latest to use the newest one that verifies")
@@ -2098,17 +2137,33 @@ def choose_checkpoint(args: Hyperparameters, rt: Runtime) -> tuple[Path | None, 
                      f"verifies (newest: {notes[0].split(': ', 2)[-1]}); start afresh without --resume")
 
 
-def load_checkpoint(path: Path, args: Hyperparameters, rt: Runtime, log: RunLog) -> dict:
-    """This rank's state from a checkpoint folder that choose_checkpoint verified at start-up."""
+def load_checkpoint(path: Path, state: TrainingState, rt: Runtime, log: RunLog) -> TrainingState:
+    """Fills the live tensors from a checkpoint folder that choose_checkpoint verified at start-up, each
+    rank reading the pieces its own layout needs (DCP re-cuts the Adam slices for this world size)."""
     meta = read_checkpoint_meta(path)
     if meta["source_sha256"] != source_sha256():
         log.write(f"warning: train_gpt.py changed since checkpoint {path} was written")
-    file = path / f"rank{rt.rank}.pt"
     try:
-        return torch.load(file, map_location=rt.device, weights_only=True)
-    except Exception as e:  # truncated or corrupt files fail inside the unpickler in many ways
-        raise UsageError(f"checkpoint file {file} is unreadable ({type(e).__name__}); it is truncated or "
-                         "corrupt: resume from an earlier checkpoint") from None
+        dcp_call(dcp.load, as_dcp_state(state, rt), path, rt.world_size)
+    except (OSError, RuntimeError, ValueError, CheckpointException) as e:
+        raise UsageError(f"checkpoint {path} is unreadable ({write_failure(e)}); it is truncated or corrupt: "
+                         "resume from an earlier checkpoint") from None
+    return TrainingState(step=meta["step"], loader=meta["loader"], tensors=state.tensors)
+
+
+def read_checkpoint_tensors(path: Path, prefix: str = "model/") -> dict[str, Tensor]:
+    """The whole (unsharded) tensors under prefix in a checkpoint folder, read in one process on CPU:
+    model/ for the weights (tools/: sampling, export), adam/ or muon/ for the optimizer state."""
+    read_checkpoint_meta(path)
+    try:
+        stored = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+        tensors = {name: torch.empty(tuple(m.size), dtype=m.properties.dtype) for name, m in stored.items()
+                   if name.startswith(prefix)}
+        dcp_call(dcp.load, tensors, path, 1)
+    except (OSError, RuntimeError, ValueError, EOFError, pickle.UnpicklingError, CheckpointException) as e:
+        raise UsageError(f"checkpoint {path} is unreadable ({write_failure(e)}); it is truncated or corrupt: "
+                         "use another step_N folder") from None
+    return {name.removeprefix(prefix): t for name, t in tensors.items()}
 
 
 class Interrupted(BaseException):
@@ -2379,20 +2434,25 @@ def warm_up(t: Trainer) -> None:
     """Compile and warm the kernels on real shapes (training and validation), then forget it happened."""
     if t.args.warmup_steps <= 0:
         return
-    snapshot = copy.deepcopy(training_state(t.model, t.opt, t.stream, 0))
+    live = training_state(t.model, t.opt, t.stream, 0)
+    saved = {name: local_part(x).clone() for name, x in live.tensors.items()}
     for step in range(t.args.warmup_steps):
         train_step(t, step)
     evaluate(t.compiled, t.val_seqs[:1], t.windows(0), t.rt)
-    restore_training_state(snapshot, t.model, t.opt, t.stream, t.rt)
+    with torch.no_grad():
+        for name, x in live.tensors.items():
+            local_part(x).copy_(saved[name])
+    t.stream.load_state(live.loader)
 
 
 def resume(t: Trainer, checkpoint: Path | None) -> int:
     """The step to start from: 0, or the checkpoint's step with its full training state restored."""
     if checkpoint is None:
         return 0
-    step = restore_training_state(load_checkpoint(checkpoint, t.args, t.rt, t.log), t.model, t.opt, t.stream, t.rt)
-    t.log.write(f"resumed from {checkpoint} at step {step}")
-    return step
+    state = load_checkpoint(checkpoint, training_state(t.model, t.opt, t.stream, 0), t.rt, t.log)
+    t.stream.load_state(state.loader)
+    t.log.write(f"resumed from {checkpoint} at step {state.step}")
+    return state.step
 
 
 def run_training(args: Hyperparameters, rt: Runtime, log: RunLog, accum: int, run_id: str,

@@ -1,12 +1,25 @@
 """Training loop of train_gpt.py end to end: world-size equivalence, the run log, bad input."""
 import json
 import math
+import os
+import socket
+import subprocess
+import sys
 import textwrap
 
 import pytest
 import torch
 
+import train_gpt as T
 from conftest import REPO, only_log, run_trainer, train_losses, val_losses
+
+ONE_THREAD = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 # Losses agree across world sizes up to float summation order (bf16 gradients reduced in a
 # different order). A missing average halves or doubles the step; a wrong shard trains on other
@@ -79,16 +92,11 @@ def losses_with(tmp_path, tiny, nproc, fault=None):
 
 
 def optimizer_state(tmp_path, run_id, world_size):
-    """Adam moments and Muon momenta after the run, the per-rank shards put back together."""
-    files = [tmp_path / run_id / "step_000004" / f"rank{r}.pt" for r in range(world_size)]
-    states = [torch.load(f, weights_only=True)["optimizers"] for f in files]
-    merged = {}
-    for name in states[0]["adam"]:
-        for key in ("exp_avg", "exp_avg_sq"):
-            merged[f"adam {name} {key}"] = torch.cat([s["adam"][name][key].float() for s in states])
-    for s in states:
-        merged.update({f"muon {name}": buf.float() for name, buf in s["muon"].items()})
-    return merged
+    """Adam masters and moments and Muon momenta after the run, as whole tensors (DCP joins the shards)."""
+    folder = tmp_path / run_id / "step_000004"
+    state = {f"adam {name}": t.float() for name, t in T.read_checkpoint_tensors(folder, "adam/").items()
+             if not name.endswith("/step")}
+    return {**state, **{f"muon {name}": t.float() for name, t in T.read_checkpoint_tensors(folder, "muon/").items()}}
 
 
 def worst_state_error(a, b):
@@ -157,19 +165,13 @@ def test_compiled_runs_match_eager_on_cpu(tmp_path, tiny, mode):
 
 
 def test_two_nodes_of_one_process_equal_one_node_of_two(tmp_path, tiny):
-    """Two torchrun launchers on loopback (c10d rendezvous, gloo) are a 2-rank run like --nproc_per_node=2."""
-    import os
-    import socket
-    import subprocess
-    import sys
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    """Two launchers (tools/launch.py, torchrun's main) on loopback (c10d rendezvous, gloo) are a 2-rank
+    run like --nproc_per_node=2."""
+    port = free_port()
     args = tiny + ["--run_id=nodes", f"--log_dir={tmp_path / 'nodes'}"]
-    launch = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1", "--rdzv_backend=c10d",
+    launch = [sys.executable, str(REPO / "tools" / "launch.py"), "--nnodes=2", "--nproc_per_node=1", "--rdzv_backend=c10d",
               f"--rdzv_endpoint=127.0.0.1:{port}", "--rdzv_id=two_nodes", str(REPO / "train_gpt.py"), *args]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    nodes = [subprocess.Popen(launch, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    nodes = [subprocess.Popen(launch, cwd=REPO, env=ONE_THREAD, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for _ in range(2)]
     results = [node.communicate(timeout=300) for node in nodes]
     assert [node.returncode for node in nodes] == [0, 0], [err[-2000:] for _, err in results]
@@ -179,3 +181,25 @@ def test_two_nodes_of_one_process_equal_one_node_of_two(tmp_path, tiny):
     summary = json.loads((tmp_path / "nodes" / "nodes.json").read_text())
     assert summary["world_size"] == 2 and summary["runtime"]["world_size"] == 2
     assert two_nodes == train_losses((tmp_path / "one" / "one.txt").read_text()) and len(two_nodes) == 4
+
+
+def test_a_rendezvous_that_cannot_form_ends_in_one_line_naming_the_endpoint():
+    endpoint = f"127.0.0.1:{free_port()}"
+    done = subprocess.run([sys.executable, str(REPO / "tools" / "launch.py"), "--nnodes=2", "--nproc_per_node=1",
+                           "--rdzv_backend=c10d", f"--rdzv_endpoint={endpoint}", "--rdzv_id=alone",
+                           "--rdzv_conf=join_timeout=3", str(REPO / "train_gpt.py")],
+                          cwd=REPO, env=ONE_THREAD, capture_output=True, text=True, timeout=120)
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == T.EXIT_PEER_LOST and len(lines) == 1, done.stderr[-3000:]
+    assert lines[0].startswith(f"error: the rendezvous at {endpoint} (c10d, id alone) did not form within "
+                               "join_timeout=3s")
+
+
+def test_the_launcher_ends_with_the_failed_workers_exit_status(tmp_path):
+    done = subprocess.run([sys.executable, str(REPO / "tools" / "launch.py"), "--standalone", "--nproc_per_node=1",
+                           str(REPO / "train_gpt.py"), "--preset=cpu", "--model_dim=96", f"--log_dir={tmp_path}"],
+                          cwd=REPO, env=ONE_THREAD, capture_output=True, text=True, timeout=120)
+    assert done.returncode == T.EXIT_USAGE, done.stderr[-3000:]
+    assert "--model_dim=96 must equal --n_head x --head_dim" in done.stderr
+    assert done.stderr.strip().splitlines()[-1] == ("error: worker rank 0 ended with exit status 2 (its own error "
+                                                    "line is above)")

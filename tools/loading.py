@@ -104,19 +104,10 @@ def build(args: T.Hyperparameters, state: dict, step: int, device: torch.device,
 
 
 def load_checkpoint(path: Path, device: torch.device, window: str = "step") -> LoadedModel:
-    """A step_N/ folder of train_gpt.py: checkpoint.json and rank 0's file, whose weights every rank shares."""
+    """A step_N/ folder of train_gpt.py: checkpoint.json and the model weights of its DCP files."""
     meta = json.loads((path / T.CHECKPOINT_META).read_text())
     args = hyperparameters_from(meta["hyperparameters"], path / T.CHECKPOINT_META)
-    file = path / "rank0.pt"
-    try:
-        state = torch.load(file, map_location="cpu", weights_only=True)["model"]
-    except FileNotFoundError:
-        raise T.UsageError(f"checkpoint {path} has no {file.name}; it is incomplete: use another step_N "
-                           "folder") from None
-    except Exception as e:  # truncated or corrupt files fail inside the unpickler in many ways
-        raise T.UsageError(f"checkpoint file {file} is unreadable ({type(e).__name__}); it is truncated or "
-                           "corrupt: use another step_N folder") from None
-    return build(args, state, int(meta["step"]), device, window, path)
+    return build(args, T.read_checkpoint_tensors(path), int(meta["step"]), device, window, path)
 
 
 def load_model(path: str | Path, device: str | torch.device = "auto", window: str = "step") -> LoadedModel:
