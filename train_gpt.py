@@ -39,6 +39,7 @@ import uuid
 import warnings
 from dataclasses import dataclass, fields
 from datetime import timedelta
+from fractions import Fraction
 from pathlib import Path
 
 import numpy as np
@@ -100,6 +101,7 @@ class Hyperparameters:
     """Every knob of a run. The defaults are the `speedrun` preset: the 2025-01-26 record of the NanoGPT
     speedrun ("R" below: records/012625_BatchSize of modded-nanogpt), whose values tests/test_config.py pins."""
     preset: str = "auto"  # speedrun | cpu; auto picks speedrun when CUDA is present, cpu otherwise
+    recipe: str = "reference"  # reference (R, bit for bit) | v2: the later records' techniques (RECIPES)
     seed: int = 0  # model initialisation (data order is fixed by the shards)
     # data
     train_files: str = "data/fineweb10B/fineweb_train_*.bin"
@@ -107,9 +109,14 @@ class Hyperparameters:
     val_tokens: int = 10_485_760  # R: the fixed validation budget every speedrun record is scored on
     train_cycle: bool = False  # allow more than one pass over the training shards
     bos_align: bool = False  # start every training sequence at a document start
+    doc_len_cap: int = 0  # 2025-09-03_FA3: pack documents cut to this many tokens (the rest dropped); 0: off
     # batch: one flat sequence of seq_len tokens per rank per micro-step
     batch_tokens: int = 8 * 48 * 1024  # R: 8 GPUs x 48K tokens per optimizer step, fixed for any world size
     seq_len: int = 48 * 1024  # R: cut from 64K to 48K per GPU (critical batch size, arXiv 2410.21676)
+    # 2025-11-29_BatchSizeSchedule: the batch grows in equal-length stages, fractions of batch_tokens
+    # ("1/3,2/3,1" is the record's 131K -> 262K -> 393K); empty: batch_tokens at every step
+    batch_schedule: str = ""
+    batch_lr_exponent: float = 0.6  # same record: a stage's lrs are scaled by (its tokens / batch_tokens) ** 0.6
     val_seq_len: int = 4 * 64 * 1024  # R: 256K-token val sequences cut fewer documents (~0.0015 lower val loss)
     # schedule
     num_iterations: int = 1770  # R
@@ -138,6 +145,14 @@ class Hyperparameters:
     muon_momentum_start: float = 0.85  # R
     muon_momentum_warmup_steps: int = 300  # R: ... over these steps
     ns_steps: int = 5  # R: quintic Newton-Schulz iterations
+    polar_express: bool = False  # 2025-09-29_PolarExpress: a minimax-optimal quintic per iteration (at most 5)
+    normuon: bool = False  # 2025-10-24_NorMuon: normalise the orthogonalised update per neuron by its 2nd moment
+    normuon_beta2: float = 0.95  # same record
+    cautious_wd: bool = False  # 2025-11-10_CautiousWD: decay only where the update and the weight agree in sign
+    muon_cautious_wd: float = 1.2  # same record; applied as lr * wd, so it follows the lr schedule
+    adam_cautious_wd: float = 0.005  # 2025-12-18_CautiousWDAdam: head and embeddings (not the scalars)
+    scalar_adam_beta1: float | None = None  # 2025-12-21_SmoothedScalars: 0.9 for the scalars; none: adam_beta1
+    scalar_adam_beta2: float | None = None  # same record: 0.99; none: adam_beta2
     adam_beta1: float = 0.8  # R
     adam_beta2: float = 0.95  # R
     adam_eps: float = 1e-10  # R
@@ -190,6 +205,26 @@ PRESETS = {
         warmup_steps=1,
         log_train_loss=True,
     ),
+}
+
+# A recipe's values per preset, applied on top of the preset (command-line flags win over both).
+# v2 turns on the later records' techniques, each its own flag, so that any one can be switched off.
+V2_COMMON = dict(
+    batch_schedule="1/3,2/3,1", cooldown_frac=0.55,  # 2025-11-29_BatchSizeSchedule
+    polar_express=True, normuon=True, cautious_wd=True,
+    scalar_adam_beta1=0.9, scalar_adam_beta2=0.99,  # 2025-12-21_SmoothedScalars
+)
+RECIPES: dict[str, dict[str, dict]] = {
+    "reference": {preset: {} for preset in PRESETS},
+    "v2": {
+        # 16K-token sequences, so that each stage is whole sequences on 8 GPUs (1, 2, 3 micro-steps);
+        # documents cut at 2048 tokens as the record's max_seq_len (2025-09-03_FA3).
+        "speedrun": {**V2_COMMON, "bos_align": True, "doc_len_cap": 2048, "seq_len": 16 * 1024},
+        # 4 sequences of 1024 at the end, so the ramp is 2 -> 3 -> 4 (thirds of 4 are not whole sequences).
+        # No document alignment: the bundled sample's documents are ~7.8K tokens long (median), so aligned
+        # 1024-token sequences would drop ~90% of its text and repeat the rest within a benchmark run.
+        "cpu": {**V2_COMMON, "batch_tokens": 4096, "batch_schedule": "1/2,3/4,1"},
+    },
 }
 
 
@@ -253,7 +288,10 @@ def parse_args(argv: list[str], cuda_available: bool) -> Hyperparameters:
         preset = "speedrun" if cuda_available else "cpu"
     if preset not in PRESETS:
         raise UsageError(f"unknown preset {preset!r}; valid presets: {', '.join(PRESETS)}")
-    args = Hyperparameters(**{**PRESETS[preset], **overrides, "preset": preset})
+    recipe = overrides.get("recipe", Hyperparameters.recipe)
+    if recipe not in RECIPES:
+        raise UsageError(f"unknown recipe {recipe!r}; valid recipes: {', '.join(RECIPES)}")
+    args = Hyperparameters(**{**PRESETS[preset], **RECIPES[recipe][preset], **overrides, "preset": preset})
     validate_args(args)
     return args
 
@@ -291,14 +329,29 @@ PLAIN_NAME = Rule(lambda v: v == "" or (v not in (".", "..") and v[0] != "." and
                   "a plain name of letters, digits and ._+=- (no path separators, no leading dot), "
                   "or empty for a fresh name")
 UNIT = number(0.0, 1.0)
+
+
+def stage_fractions(text: str) -> list[Fraction] | None:
+    """--batch_schedule's stages as exact fractions of batch_tokens; None if the text is not such a list."""
+    try:
+        out = [Fraction(part.strip()) for part in text.split(",")]
+    except (ValueError, ZeroDivisionError):
+        return None
+    return out if all(0 < f <= 1 for f in out) else None
+
+
 BETA = number(0.0, 1.0, hi_open=True)  # a decay of 1 never forgets; above 1 it diverges
+OPTIONAL_BETA = Rule(lambda v: v is None or BETA.ok(v), BETA.valid + ", or none")
 LR = number(0.0)
 
 # Every Hyperparameters field and what it accepts; validate_args refuses a field missing here.
 FLAG_RULES: dict[str, Rule] = {
-    "preset": one_of(*PRESETS), "seed": integer(0, 2**63 - 1),
+    "preset": one_of(*PRESETS), "recipe": one_of(*RECIPES), "seed": integer(0, 2**63 - 1),
     "train_files": NON_EMPTY, "val_files": NON_EMPTY, "val_tokens": integer(1), "train_cycle": ANY_BOOL,
-    "bos_align": ANY_BOOL, "batch_tokens": integer(1), "seq_len": integer(BLOCK_SIZE),
+    "bos_align": ANY_BOOL, "doc_len_cap": integer(0), "batch_tokens": integer(1), "seq_len": integer(BLOCK_SIZE),
+    "batch_schedule": Rule(lambda v: v == "" or stage_fractions(v) is not None,
+                           "empty, or comma-separated fractions in (0, 1] such as 1/3,2/3,1"),
+    "batch_lr_exponent": number(0.0),
     "val_seq_len": integer(BLOCK_SIZE), "num_iterations": integer(1), "cooldown_frac": UNIT, "lr_final_frac": UNIT,
     "val_every": integer(0), "window_final_tokens": integer(1), "sliding_window": ANY_BOOL,
     "vocab_size": integer(1), "n_layer": integer(2), "model_dim": integer(1), "n_head": integer(1),
@@ -306,6 +359,9 @@ FLAG_RULES: dict[str, Rule] = {
     "value_embeds": ANY_BOOL, "unet_skips": ANY_BOOL, "zero_init": ANY_BOOL, "qk_norm": ANY_BOOL,
     "mlp_act": one_of("relu2", "gelu"), "muon": ANY_BOOL, "muon_lr": LR, "muon_momentum": BETA,
     "muon_momentum_start": BETA, "muon_momentum_warmup_steps": integer(0), "ns_steps": integer(1),
+    "polar_express": ANY_BOOL, "normuon": ANY_BOOL, "normuon_beta2": BETA, "cautious_wd": ANY_BOOL,
+    "muon_cautious_wd": number(0.0), "adam_cautious_wd": number(0.0),
+    "scalar_adam_beta1": OPTIONAL_BETA, "scalar_adam_beta2": OPTIONAL_BETA,
     "adam_beta1": BETA, "adam_beta2": BETA, "adam_eps": number(0.0, lo_open=True), "head_lr": LR, "embed_lr": LR,
     "scalar_lr": LR, "matrix_adam_lr": LR, "weight_decay": number(0.0), "dtype": one_of("bf16", "fp32"),
     "fp8_head": ANY_BOOL, "attention": one_of("auto", "flex", "banded"),
@@ -340,6 +396,23 @@ def validate_args(args: Hyperparameters) -> None:
         raise UsageError(f"--value_embeds=true adds model_dim-wide tables to the values, so --model_dim="
                          f"{args.model_dim} must equal --n_head x --head_dim = {args.n_head * args.head_dim}; "
                          "change one of them or pass --value_embeds=false")
+    if args.doc_len_cap and not args.bos_align:
+        raise UsageError(f"--doc_len_cap={args.doc_len_cap} packs whole documents from their start, so it needs "
+                         "--bos_align=true (or pass --doc_len_cap=0)")
+    for frac in stage_fractions(args.batch_schedule) or []:
+        if (args.batch_tokens * frac).denominator != 1 or (args.batch_tokens * frac) % args.seq_len:
+            raise UsageError(f"--batch_schedule stage {frac} of --batch_tokens={args.batch_tokens} is "
+                             f"{float(args.batch_tokens * frac):g} tokens, not whole sequences of --seq_len="
+                             f"{args.seq_len}; pick fractions that are")
+    if args.polar_express and args.ns_steps > len(POLAR_EXPRESS_COEFFICIENTS):
+        raise UsageError(f"--polar_express=true has {len(POLAR_EXPRESS_COEFFICIENTS)} iterations' coefficients, "
+                         f"not --ns_steps={args.ns_steps}; pass --ns_steps=5 or fewer")
+    if args.cautious_wd and args.weight_decay:
+        raise UsageError(f"--cautious_wd=true replaces the plain decay --weight_decay={args.weight_decay}; "
+                         "pass one of them")
+    if not args.muon and (args.normuon or args.polar_express):
+        raise UsageError("--normuon and --polar_express change Muon's update, and --muon=false turns Muon off; "
+                         "pass --muon=true or switch them off")
     if args.resume == "auto" and not args.run_id:
         raise UsageError("--resume=auto needs --run_id=NAME: a restarted run finds its checkpoints under "
                          "log_dir/NAME (and never another run's)")
@@ -419,15 +492,52 @@ def configure_inductor(args: Hyperparameters) -> None:
     inductor_config.coordinate_descent_tuning = args.coordinate_descent_tuning  # R: tunes each kernel's tiling
 
 
-def gradient_accumulation(args: Hyperparameters, world_size: int) -> int:
-    """Micro-steps per optimizer step that keep the global batch fixed; refuses impossible world sizes."""
-    per_step = world_size * args.seq_len
-    if args.batch_tokens % per_step:
-        chunks = args.batch_tokens // args.seq_len
-        valid = [w for w in range(1, chunks + 1) if chunks % w == 0] if args.batch_tokens % args.seq_len == 0 else []
-        raise UsageError(f"world size {world_size} cannot split --batch_tokens={args.batch_tokens} into sequences "
-                         f"of --seq_len={args.seq_len}; world sizes that work: {valid or 'none (fix batch_tokens)'}")
-    return args.batch_tokens // per_step
+@dataclass(frozen=True)
+class BatchSchedule:
+    """Global tokens per optimizer step at every step: batch_tokens throughout, or --batch_schedule's stages,
+    equal in length (2025-11-29_BatchSizeSchedule: stage int(3 * step / num_iterations)). Every stage is
+    whole micro-steps of seq_len tokens on every rank, so the shapes (and compiled kernels) never change."""
+    stage_tokens: tuple[int, ...]
+    stage_accum: tuple[int, ...]  # micro-steps per rank in each stage
+    num_iterations: int
+    batch_tokens: int
+    lr_exponent: float
+
+    def stage(self, step: int) -> int:
+        return min(len(self.stage_tokens) * step // self.num_iterations, len(self.stage_tokens) - 1)
+
+    def tokens(self, step: int) -> int:
+        return self.stage_tokens[self.stage(step)]
+
+    def accum(self, step: int) -> int:
+        return self.stage_accum[self.stage(step)]
+
+    def lr_scale(self, step: int) -> float:
+        """The record scales every lr as batch ** 0.6; batch_tokens' lrs are the base."""
+        return (self.tokens(step) / self.batch_tokens) ** self.lr_exponent
+
+    def first_step(self, stage: int) -> int:
+        return -(-stage * self.num_iterations // len(self.stage_tokens))
+
+    def tokens_before(self, step: int) -> int:
+        """Training tokens of steps 0 .. step-1 (what a validation at `step` has seen)."""
+        return sum(self.tokens(s) for s in range(step))
+
+
+def batch_schedule(args: Hyperparameters, world_size: int) -> BatchSchedule:
+    """Every stage's tokens and micro-steps; refuses a world size that cannot split every stage into whole
+    sequences per rank, naming the world sizes that can."""
+    fracs = stage_fractions(args.batch_schedule) if args.batch_schedule else [Fraction(1)]
+    tokens = tuple(int(args.batch_tokens * f) for f in fracs)
+    sequences = [n // args.seq_len if n % args.seq_len == 0 else 0 for n in tokens]
+    if any(n == 0 or n % world_size for n in sequences):
+        valid = [w for w in range(1, min(sequences) + 1) if all(n % w == 0 for n in sequences)]
+        batch = f"--batch_tokens={args.batch_tokens}" if len(tokens) == 1 else \
+            f"the --batch_schedule stages {'/'.join(map(str, tokens))} tokens"
+        raise UsageError(f"world size {world_size} cannot split {batch} into sequences of --seq_len={args.seq_len} "
+                         f"for every rank; world sizes that work: {valid or 'none (fix the batch size)'}")
+    return BatchSchedule(tokens, tuple(n // world_size for n in sequences), args.num_iterations,
+                         args.batch_tokens, args.batch_lr_exponent)
 
 
 # -----------------------------------------------------------------------------
@@ -517,15 +627,35 @@ class TokenStream:
         i = np.searchsorted(self._bos, start)
         return int(self._bos[i]) if i < len(self._bos) else len(self.tokens)
 
-    def take(self, n: int, bos_align: bool = False) -> np.ndarray:
-        """The next n tokens plus the one after (the last target); the cursor moves by n."""
+    def take(self, n: int, bos_align: bool = False, doc_cap: int = 0) -> np.ndarray:
+        """The next n tokens plus the one after (the last target); the cursor moves by n. With doc_cap,
+        documents are packed from their starts, each cut to doc_cap tokens (the cursor moves past the last)."""
         for _ in range(2 * len(self.files) + 1):
             start = self._next_bos(self.pos) if bos_align else self.pos
-            if start + n + 1 <= len(self.tokens):
+            if doc_cap:
+                pieces = self._capped_documents(start, n + 1, doc_cap)
+                if pieces is not None:
+                    self.pos = int(pieces[-1][1])
+                    return np.concatenate([self.tokens[a:b] for a, b in pieces])
+            elif start + n + 1 <= len(self.tokens):
                 self.pos = start + n
                 return self.tokens[start:start + n + 1]
             self._next_shard()
         raise UsageError(f"no shard of {[str(f) for f in self.files]} holds a sequence of {n + 1} tokens")
+
+    def _capped_documents(self, start: int, need: int, cap: int) -> list[tuple[int, int]] | None:
+        """[begin, end) of the documents from the one at `start` on, each cut to cap tokens and the last one
+        to what fills `need` tokens (2025-09-03_FA3's packing); None if this shard runs out first."""
+        self._next_bos(start)  # loads the document starts
+        i = int(np.searchsorted(self._bos, start))
+        bounds = np.append(self._bos[i:i + need + 1], len(self.tokens))[:need + 1]  # need pieces at most
+        begins, ends = bounds[:-1], np.minimum(bounds[1:], bounds[:-1] + cap)
+        filled = np.cumsum(ends - begins)
+        k = int(np.searchsorted(filled, need))
+        if k == len(begins):
+            return None
+        ends[k] -= filled[k] - need
+        return list(zip(begins[:k + 1].tolist(), ends[:k + 1].tolist()))
 
 
 def to_device(chunk: np.ndarray, device: torch.device) -> tuple[Tensor, Tensor]:
@@ -543,13 +673,14 @@ class DistributedTokenLoader:
     Every rank walks the same global layout, so the batch does not depend on the world size.
     """
 
-    def __init__(self, stream: TokenStream, seq_len: int, rank: int, world_size: int, accum: int,
-                 bos_align: bool, device: torch.device):
+    def __init__(self, stream: TokenStream, seq_len: int, rank: int, world_size: int, bos_align: bool,
+                 doc_cap: int, device: torch.device):
         self.stream, self.seq_len, self.rank, self.world_size = stream, seq_len, rank, world_size
-        self.accum, self.bos_align, self.device = accum, bos_align, device
+        self.bos_align, self.doc_cap, self.device = bos_align, doc_cap, device
 
-    def next_batch(self) -> list[tuple[Tensor, Tensor]]:
-        chunks = [self.stream.take(self.seq_len, self.bos_align) for _ in range(self.world_size * self.accum)]
+    def next_batch(self, accum: int) -> list[tuple[Tensor, Tensor]]:
+        """The step's accum micro-batches of this rank."""
+        chunks = [self.stream.take(self.seq_len, self.bos_align, self.doc_cap) for _ in range(self.world_size * accum)]
         return [to_device(chunks[i], self.device) for i in range(self.rank, len(chunks), self.world_size)]
 
 
@@ -1174,23 +1305,45 @@ def build_model(args: Hyperparameters, rt: Runtime) -> GPT:
 # -----------------------------------------------------------------------------
 # Optimizers: a reduce-scatter gradient loop feeding sharded Muon and Adam
 
-def newton_schulz(G: Tensor, steps: int = 5, eps: float = 1e-7) -> Tensor:
-    """Quintic Newton-Schulz iteration pushing every singular value of G towards 1, in bf16.
-
-    The coefficients trade exactness for speed: singular values land in a band around 1
-    (about [0.68, 1.13] for inputs that are not nearly singular), not on 1 exactly.
-    """
-    a, b, c = 3.4445, -4.7750, 2.0315
+def quintic_iterations(G: Tensor, coefficients: list[tuple[float, float, float]], norm_scale: float,
+                       eps: float) -> Tensor:
+    """X <- a X + (b A + c A^2) X with A = X X^T, once per (a, b, c), in bf16 on the wide orientation of G,
+    after dividing G by its Frobenius norm (times norm_scale) so that every singular value starts <= 1."""
     X = G.bfloat16()
     tall = G.size(-2) > G.size(-1)
     if tall:
         X = X.mT
-    X = X / (X.norm(dim=(-2, -1), keepdim=True) + eps)
-    for _ in range(steps):
+    X = X / (X.norm(dim=(-2, -1), keepdim=True) * norm_scale + eps)
+    for a, b, c in coefficients:
         A = X @ X.mT
         B = b * A + c * A @ A
         X = a * X + B @ X
     return X.mT if tall else X
+
+
+def newton_schulz(G: Tensor, steps: int = 5) -> Tensor:
+    """R's quintic Newton-Schulz iteration pushing every singular value of G towards 1.
+
+    The coefficients trade exactness for speed: singular values land in a band around 1
+    (about [0.68, 1.13] for inputs that are not nearly singular), not on 1 exactly.
+    """
+    return quintic_iterations(G, [(3.4445, -4.7750, 2.0315)] * steps, 1.0, 1e-7)
+
+
+# 2025-09-29_PolarExpress (Amsel et al., arXiv 2505.16932): each iteration's quintic is the minimax-optimal
+# one for the singular-value interval the previous ones leave, so 5 iterations land much closer to 1.
+POLAR_EXPRESS_COEFFICIENTS = [
+    (8.156554524902461, -22.48329292557795, 15.878769915207462),
+    (4.042929935166739, -2.808917465908714, 0.5000178451051316),
+    (3.8916678022926607, -2.772484153217685, 0.5060648178503393),
+    (3.285753657755655, -2.3681294933425376, 0.46449024233003106),
+    (2.3465413258596377, -1.7097828382687081, 0.42323551169305323),
+]
+
+
+def polar_express(G: Tensor, steps: int = 5) -> Tensor:
+    """Polar Express orthogonalisation; the record divides by 1.02 x the norm as a safety margin for bf16."""
+    return quintic_iterations(G, POLAR_EXPRESS_COEFFICIENTS[:steps], 1.02, 1e-6)
 
 
 class Bucket:
@@ -1311,11 +1464,14 @@ class Muon:
     """
 
     def __init__(self, buckets: list[Bucket], rank: int, lr: float, ns_steps: int, names: dict[Tensor, str],
-                 orthogonalize=None):
+                 orthogonalize=None, normuon_beta2: float | None = None, cautious_wd: float = 0.0):
         self.buckets, self.rank, self.base_lr, self.ns_steps = buckets, rank, lr, ns_steps
         self.orthogonalize = orthogonalize or newton_schulz
+        self.normuon_beta2, self.cautious_wd = normuon_beta2, cautious_wd
         self.index_of = {names[b.params[rank]]: i for i, b in enumerate(buckets) if b.params[rank] is not None}
         self.momentum_buffers = {i: torch.zeros_like(self.owned(i)) for i in self.index_of.values()}
+        self.second_moments = {i: neuron_second_moment(self.owned(i)) for i in self.index_of.values()} \
+            if normuon_beta2 is not None else {}
 
     def owned(self, i: int) -> nn.Parameter | None:
         return self.buckets[i].params[self.rank]
@@ -1331,31 +1487,61 @@ class Muon:
                 buf = self.momentum_buffers[i]
                 buf.lerp_(grad.view_as(p), 1 - momentum)
                 update = self.orthogonalize(grad.view_as(p).lerp_(buf, momentum), self.ns_steps)  # Nesterov
+                if self.normuon_beta2 is not None:
+                    update = normuon_normalize(update, self.second_moments[i], self.normuon_beta2)
             if bucket.world_size == 1:
-                self._apply(p, update, lr)
+                self._apply(p, update, lr, self.cautious_wd)
                 continue
             if p is not None:
                 bucket.gather_in.copy_(update.flatten())
-            gathers.append((bucket, all_gather_into(bucket), lr))
+            gathers.append((bucket, all_gather_into(bucket), lr, self.cautious_wd))
         return gathers
 
     @staticmethod
     def finish_step(gathers: list) -> None:
-        for bucket, work, lr in gathers:
+        for bucket, work, lr, wd in gathers:
             work.wait()
             for j, p in enumerate(bucket.params):
                 if p is not None:
-                    Muon._apply(p, bucket.gather_out[j * bucket.shard_numel:(j + 1) * bucket.shard_numel], lr)
+                    Muon._apply(p, bucket.gather_out[j * bucket.shard_numel:(j + 1) * bucket.shard_numel], lr, wd)
 
     @staticmethod
-    def _apply(p: Tensor, update: Tensor, lr: float) -> None:
+    def _apply(p: Tensor, update: Tensor, lr: float, cautious_wd: float) -> None:
         shape_scale = max(1.0, p.size(-2) / p.size(-1)) ** 0.5  # the record's max(1, rows/cols)**0.5
-        p.data.sub_((lr * shape_scale) * update.view_as(p).to(p.dtype))
+        update = update.view_as(p).to(p.dtype)
+        if cautious_wd:  # 2025-11-10_CautiousWD: the decay (lr * wd) joins the update where their signs agree
+            update = update + (lr * cautious_wd) * cautious_mask(update, p.data) * p.data
+        p.data.sub_((lr * shape_scale) * update)
 
     def state_tensors(self) -> dict[str, Tensor]:
-        """The momenta of the matrices this rank owns, as muon/<parameter name>: which rank owns a matrix
-        depends on the world size, its momentum's name does not."""
-        return {f"muon/{name}": self.momentum_buffers[i] for name, i in self.index_of.items()}
+        """The momenta (and NorMuon's second moments) of the matrices this rank owns, as muon/<parameter name>
+        (normuon/<name>): which rank owns a matrix depends on the world size, its state's name does not."""
+        return {**{f"muon/{name}": self.momentum_buffers[i] for name, i in self.index_of.items()},
+                **{f"normuon/{name}": self.second_moments[i] for name, i in self.index_of.items()
+                   if i in self.second_moments}}
+
+
+def cautious_mask(update: Tensor, param: Tensor) -> Tensor:
+    """Where the step (param -= lr * update) and the decay pull the weight the same way (sign agreement,
+    zero included, as the records have it); elsewhere decaying would fight the gradient."""
+    return (update * param >= 0).to(param.dtype)
+
+
+def neuron_second_moment(p: Tensor) -> Tensor:
+    """NorMuon's fp32 state: one mean square per row of a tall or square matrix, per column of a wide one."""
+    shape = (*p.shape[:-1], 1) if p.size(-2) >= p.size(-1) else (*p.shape[:-2], 1, p.size(-1))
+    return torch.zeros(shape, dtype=torch.float32, device=p.device)
+
+
+def normuon_normalize(update: Tensor, second_moment: Tensor, beta2: float) -> Tensor:
+    """2025-10-24_NorMuon: after orthogonalisation the rows of a wide matrix (columns of a tall one) have
+    equal norms, the neurons along its long side do not. Their mean squares are averaged over steps
+    (second_moment, updated in place) and divided out, then the update gets its Frobenius norm back."""
+    u = update.float()
+    second_moment.lerp_(u.square().mean(dim=-1 if u.size(-2) >= u.size(-1) else -2, keepdim=True), 1 - beta2)
+    normed = u * second_moment.clamp_min(1e-10).rsqrt()
+    norm, normed_norm = u.norm(dim=(-2, -1), keepdim=True), normed.norm(dim=(-2, -1), keepdim=True)
+    return normed * (norm / normed_norm.clamp_min(1e-10))
 
 
 @dataclass
@@ -1366,6 +1552,16 @@ class FlatShard:
     numel: int
 
 
+@dataclass
+class AdamGroup:
+    """One parameter's Adam settings."""
+    param: nn.Parameter
+    lr: float
+    weight_decay: float = 0.0  # decoupled (AdamW)
+    cautious_wd: float = 0.0  # 2025-12-18_CautiousWDAdam: lr * wd, only where update and weight agree in sign
+    betas: tuple[float, float] | None = None  # None: the optimizer's
+
+
 class ShardedAdam:
     """Adam for the rank-owned slice of each parameter, on an fp32 master copy of that slice.
 
@@ -1373,14 +1569,15 @@ class ShardedAdam:
     over the master slices; the new slices are cast to the parameter dtype and all-gathered.
     """
 
-    def __init__(self, groups: list[tuple[Bucket, float, float]], rank: int, betas: tuple[float, float],
+    def __init__(self, groups: list[tuple[Bucket, AdamGroup]], rank: int, betas: tuple[float, float],
                  eps: float, names: dict[Tensor, str]):
-        self.buckets = [bucket for bucket, _, _ in groups]
+        self.buckets = [bucket for bucket, _ in groups]
         self.rank = rank
         self.names = [names[bucket.real[0]] for bucket in self.buckets]
         self.masters = [self._owned_slice(bucket).float().clone() for bucket in self.buckets]
-        param_groups = [dict(params=[master], lr=lr, base_lr=lr, weight_decay=wd)
-                        for master, (_, lr, wd) in zip(self.masters, groups)]
+        param_groups = [dict(params=[master], lr=g.lr, base_lr=g.lr, weight_decay=g.weight_decay,
+                             cautious_wd=g.cautious_wd, betas=g.betas or betas)
+                        for master, (_, g) in zip(self.masters, groups)]
         fused = all(m.device.type in ("cpu", "cuda") for m in self.masters)
         self.adam = torch.optim.AdamW(param_groups, betas=betas, eps=eps, fused=fused)
 
@@ -1395,6 +1592,8 @@ class ShardedAdam:
             master.grad = sync.wait(bucket, scale)[:master.numel()]
         for group in self.adam.param_groups:
             group["lr"] = group["base_lr"] * lr_mult
+            if group["cautious_wd"]:
+                self._cautious_decay(group)
         self.adam.step()
         gathers = []
         for bucket, master in zip(self.buckets, self.masters):
@@ -1413,6 +1612,15 @@ class ShardedAdam:
             work.wait()
             p = bucket.real[0]
             p.data.view(-1).copy_(bucket.gather_out[:p.numel()])
+
+    def _cautious_decay(self, group: dict) -> None:
+        """master -= lr * (lr * wd) * master where this step's Adam update has the master's sign. That sign
+        is the new first moment's (Adam divides it by positive numbers), so it is known before the step,
+        and the decay can be applied before AdamW, whose update does not depend on the weight."""
+        master = group["params"][0]
+        exp_avg = self.adam_state(master)["exp_avg"]
+        new_exp_avg = exp_avg.lerp(master.grad, 1 - group["betas"][0])
+        master.sub_((group["lr"] * group["lr"] * group["cautious_wd"]) * cautious_mask(new_exp_avg, master) * master)
 
     def adam_state(self, master: Tensor) -> dict[str, Tensor]:
         """AdamW's state of a master slice, created as AdamW would create it (zeros, step 0) if it has not
@@ -1442,14 +1650,16 @@ class Optimizers:
     sync: GradientSync
     muon: Muon | None
     adam: ShardedAdam
-    scale: float  # 1 / sequences per global batch: the sum over ranks and micro-steps becomes a mean
+    world_size: int
 
-    def step(self, lr_mult: float, momentum: float) -> None:
+    def step(self, lr_mult: float, momentum: float, accum: int) -> None:
         """Muon first (its Newton-Schulz overlaps Adam's reduce-scatters), then Adam; the all-gathers
-        of both are awaited last, so they overlap the other optimizer's math."""
+        of both are awaited last, so they overlap the other optimizer's math. The gradients summed over
+        ranks and accum micro-steps are divided by the sequence count, which makes them a mean."""
         self.sync.finish()
-        muon_gathers = self.muon.step(self.sync, self.scale, lr_mult, momentum) if self.muon else []
-        adam_gathers = self.adam.step(self.sync, self.scale, lr_mult)
+        scale = 1.0 / (self.world_size * accum)
+        muon_gathers = self.muon.step(self.sync, scale, lr_mult, momentum) if self.muon else []
+        adam_gathers = self.adam.step(self.sync, scale, lr_mult)
         Muon.finish_step(muon_gathers)
         ShardedAdam.finish_step(adam_gathers)
         self.sync.reset()
@@ -1459,14 +1669,18 @@ class Optimizers:
         return {**self.adam.state_tensors(), **(self.muon.state_tensors() if self.muon else {})}
 
 
-def build_optimizers(model: GPT, args: Hyperparameters, rank: int, world_size: int, accum: int,
+def build_optimizers(model: GPT, args: Hyperparameters, rank: int, world_size: int,
                      compiled: bool = False) -> Optimizers:
     """Muon for matrices inside the blocks; Adam for head, embeddings and scalars (and matrices without Muon)."""
     hidden = [p for p in model.blocks.parameters() if p.ndim >= 2]
     embeds = [model.embed.weight, *(e.weight for e in model.value_embeds)]
     scalars = [p for p in model.parameters() if p.ndim < 2]
-    adam_groups = [(model.lm_head.weight, args.head_lr, args.weight_decay)]
-    adam_groups += [(p, args.embed_lr, 0.0) for p in embeds] + [(p, args.scalar_lr, 0.0) for p in scalars]
+    adam_wd = args.adam_cautious_wd if args.cautious_wd else 0.0  # never on the scalars (the record's wd_mul 0)
+    scalar_betas = (args.scalar_adam_beta1 if args.scalar_adam_beta1 is not None else args.adam_beta1,
+                    args.scalar_adam_beta2 if args.scalar_adam_beta2 is not None else args.adam_beta2)
+    adam_groups = [AdamGroup(model.lm_head.weight, args.head_lr, args.weight_decay, adam_wd)]
+    adam_groups += [AdamGroup(p, args.embed_lr, cautious_wd=adam_wd) for p in embeds]
+    adam_groups += [AdamGroup(p, args.scalar_lr, betas=scalar_betas) for p in scalars]
     muon_buckets = []
     if args.muon:
         by_shape: dict[tuple, list] = {}
@@ -1476,19 +1690,22 @@ def build_optimizers(model: GPT, args: Hyperparameters, rank: int, world_size: i
             same = same + [None] * (-len(same) % world_size)
             muon_buckets += [Bucket(same[i:i + world_size], True, world_size) for i in range(0, len(same), world_size)]
     else:
-        adam_groups += [(p, args.matrix_adam_lr, args.weight_decay) for p in hidden]
-    adam_buckets = [(Bucket([p], False, world_size), lr, wd) for p, lr, wd in adam_groups]
-    assert sum(p.numel() for b, _, _ in adam_buckets for p in b.real) + sum(
+        adam_groups += [AdamGroup(p, args.matrix_adam_lr, args.weight_decay, adam_wd) for p in hidden]
+    adam_buckets = [(Bucket([g.param], False, world_size), g) for g in adam_groups]
+    assert sum(p.numel() for b, _ in adam_buckets for p in b.real) + sum(
         p.numel() for b in muon_buckets for p in b.real) == sum(p.numel() for p in model.parameters())
     # Consumption order (Muon, then Adam): the launch order when the compiled backward leaves no overlap.
-    sync = GradientSync(muon_buckets + [b for b, _, _ in adam_buckets], world_size, launch_from_hooks=not compiled)
+    sync = GradientSync(muon_buckets + [b for b, _ in adam_buckets], world_size, launch_from_hooks=not compiled)
     names = {p: name for name, p in model.named_parameters()}
     # The record compiles Newton-Schulz: its five bf16 iterations fuse into a few kernels per shape.
-    orthogonalize = torch.compile(newton_schulz, dynamic=False) if compiled else newton_schulz
-    return Optimizers(sync=sync, muon=Muon(muon_buckets, rank, args.muon_lr, args.ns_steps, names, orthogonalize)
-                      if args.muon else None,
+    orthogonalize = polar_express if args.polar_express else newton_schulz
+    orthogonalize = torch.compile(orthogonalize, dynamic=False) if compiled else orthogonalize
+    muon = Muon(muon_buckets, rank, args.muon_lr, args.ns_steps, names, orthogonalize,
+                normuon_beta2=args.normuon_beta2 if args.normuon else None,
+                cautious_wd=args.muon_cautious_wd if args.cautious_wd else 0.0) if args.muon else None
+    return Optimizers(sync=sync, muon=muon,
                       adam=ShardedAdam(adam_buckets, rank, (args.adam_beta1, args.adam_beta2), args.adam_eps, names),
-                      scale=1.0 / (world_size * accum))
+                      world_size=world_size)
 
 
 # -----------------------------------------------------------------------------
@@ -1814,7 +2031,7 @@ def make_profiler(args: Hyperparameters, rt: Runtime, trace_path: Path):
 # Checkpoints: exact resume, written atomically, verified on load, never of a diverged state
 
 MODEL_SHAPE_FIELDS = ("vocab_size", "n_layer", "model_dim", "n_head", "head_dim", "value_embeds", "unet_skips")
-OPTIMIZER_STRUCTURE_FIELDS = ("muon",)  # decides which matrices Muon owns, hence the optimizer state's layout
+OPTIMIZER_STRUCTURE_FIELDS = ("muon", "normuon")  # which matrices Muon owns, and what state it keeps for them
 CHECKPOINT_META = "checkpoint.json"
 # A torch.distributed.checkpoint folder that any world size resumes; earlier ones had a rank<r>.pt per rank.
 CHECKPOINT_FORMAT = "dcp-1"
@@ -2319,7 +2536,7 @@ def new_run_id(args: Hyperparameters, rt: Runtime, checkpoint: Path | None = Non
     return run_id
 
 
-def write_log_header(log: RunLog, args: Hyperparameters, rt: Runtime, accum: int, run_id: str) -> None:
+def write_log_header(log: RunLog, args: Hyperparameters, rt: Runtime, batches: BatchSchedule, run_id: str) -> None:
     """Source, every resolved hyperparameter and the environment, before the first step line."""
     log.write("==== train_gpt.py ====", echo=False)
     log.write(Path(__file__).read_text(), echo=False)
@@ -2327,7 +2544,9 @@ def write_log_header(log: RunLog, args: Hyperparameters, rt: Runtime, accum: int
     log.write("hyperparameters:", echo=False)
     for name, value in dataclasses.asdict(args).items():
         log.write(f"  {name} = {value}", echo=False)
+    accum = "/".join(map(str, batches.stage_accum))  # one number per batch stage
     log.write(f"  (derived) grad_accum_steps = {accum}", echo=False)
+    log.write(f"  (derived) batch_stage_tokens = {'/'.join(map(str, batches.stage_tokens))}", echo=False)
     for line in environment_lines(rt) if rt.is_master else []:
         log.write(line, echo=False)
     log.write(f"run {run_id}: preset {args.preset}, {rt.world_size} rank(s) x {accum} micro-step(s), "
@@ -2351,17 +2570,17 @@ def train(argv: list[str]) -> int:
             not any(a.startswith("--preset") for a in argv):
         print("no GPU found: running the cpu preset (small model, bundled sample data); "
               "pass --preset=speedrun to force the reference recipe", flush=True)
-    accum = gradient_accumulation(args, rt.world_size)
+    batches = batch_schedule(args, rt.world_size)
     checkpoint, notes = choose_checkpoint(args, rt) if args.resume else (None, [])
     run_id = new_run_id(args, rt, checkpoint)
     log = RunLog(Path(args.log_dir) / f"{run_id}.txt" if rt.is_master else None)
     lock_run_log(log, run_id)
     try:
-        write_log_header(log, args, rt, accum, run_id)
+        write_log_header(log, args, rt, batches, run_id)
         clean_stale_staging(args, run_id, log)
         for note in notes:
             log.write(note)
-        return run_training(args, rt, log, accum, run_id, checkpoint)
+        return run_training(args, rt, log, batches, run_id, checkpoint)
     except Interrupted as e:
         log.write(f"stopped by signal {signal.Signals(e.signum).name} before the first training step; nothing "
                   "was trained or saved")
@@ -2379,7 +2598,7 @@ class Trainer:
     rt: Runtime
     log: RunLog
     run_id: str
-    accum: int
+    batches: BatchSchedule
     model: GPT
     compiled: nn.Module  # the model as the steps call it (torch.compile'd under --compile=model)
     opt: Optimizers
@@ -2398,7 +2617,7 @@ class Progress:
     hellaswag_curve: list = dataclasses.field(default_factory=list)  # [step, acc, acc_norm, examples]
 
 
-def set_up(args: Hyperparameters, rt: Runtime, log: RunLog, accum: int, run_id: str) -> Trainer:
+def set_up(args: Hyperparameters, rt: Runtime, log: RunLog, batches: BatchSchedule, run_id: str) -> Trainer:
     """Data, model and optimizers: everything that can fail on bad input fails here, before step 0."""
     train_files = find_shards(args.train_files, "training")
     val_files = find_shards(args.val_files, "validation")
@@ -2408,24 +2627,26 @@ def set_up(args: Hyperparameters, rt: Runtime, log: RunLog, accum: int, run_id: 
     torch.manual_seed(args.seed)
     model = build_model(args, rt)
     compiled = torch.compile(model, dynamic=False) if rt.compile == "model" else model
-    opt = build_optimizers(model, args, rt.rank, rt.world_size, accum, compiled=rt.compile == "model")
+    opt = build_optimizers(model, args, rt.rank, rt.world_size, compiled=rt.compile == "model")
     stream = TokenStream(train_files, args.vocab_size, cycle=args.train_cycle)
-    loader = DistributedTokenLoader(stream, args.seq_len, rt.rank, rt.world_size, accum, args.bos_align, rt.device)
-    return Trainer(args, rt, log, run_id, accum, model, compiled, opt, stream, loader, WindowTensors(args, rt.device),
+    loader = DistributedTokenLoader(stream, args.seq_len, rt.rank, rt.world_size, args.bos_align, args.doc_len_cap,
+                                    rt.device)
+    return Trainer(args, rt, log, run_id, batches, model, compiled, opt, stream, loader, WindowTensors(args, rt.device),
                    val_seqs, prepare_downstream(args, rt, model.context_len))
 
 
 def train_step(t: Trainer, step: int) -> Tensor:
-    """One optimizer step over accum micro-batches; returns this rank's mean loss (on the device)."""
-    args, windows = t.args, t.windows(step)
+    """One optimizer step over the stage's micro-batches; returns this rank's mean loss (on the device)."""
+    args, windows, accum = t.args, t.windows(step), t.batches.accum(step)
     losses = []
-    for i, (x, y) in enumerate(t.loader.next_batch()):
-        t.opt.sync.arm(i == t.accum - 1)
+    for i, (x, y) in enumerate(t.loader.next_batch(accum)):
+        t.opt.sync.arm(i == accum - 1)
         loss = t.compiled(x, y, windows)
         loss.backward()
         losses.append(loss.detach())
-    t.opt.step(lr_multiplier(step, args.num_iterations, args.cooldown_frac, args.lr_final_frac),
-               muon_momentum(step, args.muon_momentum_warmup_steps, args.muon_momentum_start, args.muon_momentum))
+    lr_mult = lr_multiplier(step, args.num_iterations, args.cooldown_frac, args.lr_final_frac) * t.batches.lr_scale(step)
+    t.opt.step(lr_mult, muon_momentum(step, args.muon_momentum_warmup_steps, args.muon_momentum_start,
+                                      args.muon_momentum), accum)
     t.model.zero_grad(set_to_none=True)  # R: the next backward writes fresh gradients, no zeroing kernels
     return torch.stack(losses).mean()
 
@@ -2455,10 +2676,10 @@ def resume(t: Trainer, checkpoint: Path | None) -> int:
     return state.step
 
 
-def run_training(args: Hyperparameters, rt: Runtime, log: RunLog, accum: int, run_id: str,
+def run_training(args: Hyperparameters, rt: Runtime, log: RunLog, batches: BatchSchedule, run_id: str,
                  checkpoint: Path | None) -> int:
     """Set-up, the untimed warm-up, then the timed loop; returns the process exit status."""
-    t = set_up(args, rt, log, accum, run_id)
+    t = set_up(args, rt, log, batches, run_id)
     warm_up(t)
     return train_loop(t, resume(t, checkpoint), checkpoint)
 
@@ -2574,7 +2795,7 @@ def finish(t: Trainer, start_step: int, clock: Clock, progress: Progress, watch:
            recompiles: RecompileWatch) -> int:
     """Memory, energy and final lines, end-of-run samples and checkpoint, then the JSON summary."""
     args, rt, log, N = t.args, t.rt, t.log, t.args.num_iterations
-    tokens = N * args.batch_tokens
+    tokens = t.batches.tokens_before(N)
     peak_mib, memory_line = peak_memory_mib(rt)
     joules, ranks = clock.energy.total(rt)
     log.write(memory_line)
@@ -2591,7 +2812,9 @@ def finish(t: Trainer, start_step: int, clock: Clock, progress: Progress, watch:
                    "peak_memory_mib": peak_mib, "energy_j": joules, "energy_kwh": kwh,
                    "tokens_per_kwh": tokens / kwh if kwh else None, "val_curve": progress.val_curve,
                    "recompiles_after_warmup": recompiles.count, "step_avg_ms": clock.ms / max(N - start_step, 1),
-                   "runtime": {**rt.resolved(), "grad_accum_steps": t.accum}, "hyperparameters": dataclasses.asdict(args),
+                   "runtime": {**rt.resolved(), "grad_accum_steps": t.batches.stage_accum[-1],
+                               "batch_stages": [[t.batches.first_step(i), n, a] for i, (n, a) in
+                                                enumerate(zip(t.batches.stage_tokens, t.batches.stage_accum))]}, "hyperparameters": dataclasses.asdict(args),
                    "status": "finished"}
         if args.hellaswag_every > 0:
             summary["hellaswag_curve"] = progress.hellaswag_curve

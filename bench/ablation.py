@@ -31,6 +31,7 @@ train_time, validation excluded, measured while --jobs runs share the machine).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -59,11 +60,47 @@ VARIANTS: dict[str, list[str]] = {
                  "--sliding_window=false", "--zero_init=false", "--mlp_act=gelu", "--weight_decay=0.1"],
 }
 BASELINE, FULL = "baseline", "full"
-BASELINE_NOTE = ("baseline = plain GPT-2-style AdamW: no Muon (AdamW at matrix_adam_lr, weight decay 0.1 on "
+REFERENCE_NOTE = ("baseline = plain GPT-2-style AdamW: no Muon (AdamW at matrix_adam_lr, weight decay 0.1 on "
                  "matrices), no value embeddings, no U-net skips, no softcap, full causal attention, random-init "
                  "output projections, GELU MLP. It keeps what train_gpt.py cannot switch off: rotary embeddings, "
                  "rms_norm, the x0 mix, attention scale 0.12, and also QK-norm and the recipe's Adam lrs for "
                  "embeddings/head/scalars.")
+
+# Recipe v2's optimizer, data and schedule half (issue 13), each technique removed in turn. Every variant
+# trains the same token budget (num_iterations x batch_tokens): the batch schedule's smaller early steps
+# buy it more steps (run_specs). The reference row is the reference suite's "full" recipe.
+V2_PART1 = "v2_part1"
+V2_PART1_VARIANTS: dict[str, list[str]] = {
+    "reference": [],
+    V2_PART1: ["--recipe=v2"],
+    "v2_part1_no_batch_schedule": ["--recipe=v2", "--batch_schedule="],
+    "v2_part1_no_polar_express": ["--recipe=v2", "--polar_express=false"],
+    "v2_part1_no_normuon": ["--recipe=v2", "--normuon=false"],
+    "v2_part1_no_cautious_wd": ["--recipe=v2", "--cautious_wd=false"],
+    "v2_part1_no_smoothed_scalars": ["--recipe=v2", "--scalar_adam_beta1=none", "--scalar_adam_beta2=none"],
+}
+V2_PART1_NOTE = ("v2_part1 = --recipe=v2 on the cpu preset: Polar Express, NorMuon, cautious weight decay "
+                 "(Muon and Adam), scalar Adam betas (0.9, 0.99), and the batch ramp 2048 -> 3072 -> 4096 tokens "
+                 "with lrs scaled by (batch / 4096) ** 0.6 and cooldown_frac 0.55. Document alignment is not in "
+                 "the cpu recipe (the bundled sample's documents are ~7.8K tokens long; see RECIPES in "
+                 "train_gpt.py). Variants with the batch ramp train more steps so that every run sees the same "
+                 "tokens.")
+
+
+@dataclass(frozen=True)
+class Suite:
+    """A set of variants compared against one of them (target), with a headline against another (baseline)."""
+    variants: dict[str, list[str]]
+    target: str
+    baseline: str
+    note: str
+    out: str  # default output folder, relative to the repository
+
+
+SUITES = {
+    "reference": Suite(VARIANTS, FULL, BASELINE, REFERENCE_NOTE, "bench/results"),
+    "v2_part1": Suite(V2_PART1_VARIANTS, V2_PART1, "reference", V2_PART1_NOTE, "bench/results/v2_part1"),
+}
 
 # Defaults big enough to tell techniques apart (at 80K tokens per run the variants differed by less
 # than their seed noise): 96 steps x 4096 tokens = 393,216 training tokens, validated on 65,536 held-out
@@ -117,6 +154,14 @@ def tokens_to_reach(curve: list[tuple[int, float]], target: float) -> float | No
     return None
 
 
+def tokens_before(summary: dict, step: int) -> int:
+    """Training tokens of steps 0 .. step-1, from the summary's batch stages ([first_step, tokens, accum]);
+    summaries from before batch schedules had one batch size, tokens / steps."""
+    stages = summary.get("runtime", {}).get("batch_stages") or [[0, int(summary["tokens"]) // int(summary["steps"]), 1]]
+    ends = [first for first, _, _ in stages[1:]] + [max(step, stages[-1][0])]
+    return sum(tokens * max(0, min(step, end) - first) for (first, tokens, _), end in zip(stages, ends))
+
+
 def variant_stats(name: str, summaries: list[dict], failures: list[FailedRun] | None = None) -> VariantStats:
     """Aggregates the finished runs (train_gpt.py JSON summaries) of one variant."""
     if not summaries:
@@ -125,10 +170,10 @@ def variant_stats(name: str, summaries: list[dict], failures: list[FailedRun] | 
     mean, std = mean_std(finals)
     per_run = [{int(step): float(loss) for step, loss, _ in s["val_curve"]} for s in summaries]
     steps = sorted(set.intersection(*(set(c) for c in per_run)))
-    batch = [int(s["tokens"]) // int(s["steps"]) for s in summaries]
-    if len(set(batch)) != 1:
-        raise ValueError(f"variant {name}: runs have different tokens per step {sorted(set(batch))}")
-    curve = [(step * batch[0], sum(c[step] for c in per_run) / len(per_run)) for step in steps]
+    schedules = {tuple(tokens_before(s, step) for step in steps) for s in summaries}
+    if len(schedules) != 1:
+        raise ValueError(f"variant {name}: runs trained different tokens by the same steps")
+    curve = [(tokens, sum(c[step] for c in per_run) / len(per_run)) for tokens, step in zip(schedules.pop(), steps)]
     rates = [s["tokens"] / (s["train_time_ms"] / 1000) for s in summaries if s["train_time_ms"] > 0]
     return VariantStats(name=name, seeds=[int(s["hyperparameters"]["seed"]) for s in summaries], final_mean=mean,
                         final_std=std, final_spread=max(finals) - min(finals), curve=curve, tokens_per_s=sum(rates) / len(rates) if rates else float("nan"),
@@ -158,19 +203,21 @@ def baseline_headline(base: VariantStats | None, full: VariantStats | None) -> s
     if base is None:
         return "no baseline runs finished"
     if full is None:
-        return "no full-recipe runs finished: nothing to compare against"
+        return "no target runs finished: nothing to compare against"
     reach = tokens_to_reach(full.curve, base.final_mean)
     if reach is None:
-        return (f"the full recipe did NOT reach the baseline's final val loss {base.final_mean:.4f} within "
+        return (f"{full.name} did NOT reach {base.name}'s final val loss {base.final_mean:.4f} within "
                 f"{full.budget_tokens:,} tokens (its final mean: {full.final_mean:.4f})")
-    return (f"the full recipe reaches the baseline's final val loss {base.final_mean:.4f} after {reach:,.0f} "
+    return (f"{full.name} reaches {base.name}'s final val loss {base.final_mean:.4f} after {reach:,.0f} "
             f"tokens = {reach / base.budget_tokens:.3f} x the baseline's budget of {base.budget_tokens:,} tokens "
             f"({base.budget_tokens / reach:.2f}x fewer tokens)")
 
 
-def build_table(stats: dict[str, VariantStats], failures: list[FailedRun], label: str) -> Table:
-    """The markdown results table: every variant against the full recipe (its final loss is the target)."""
-    full = stats.get(FULL)
+def build_table(stats: dict[str, VariantStats], failures: list[FailedRun], label: str, suite: Suite | None = None) -> Table:
+    """The markdown results table: every variant against the suite's target (its final loss is the target)."""
+    suite = suite or SUITES["reference"]
+    name_of_target = "the full recipe" if suite.target == FULL else suite.target
+    full = stats.get(suite.target)
     target = full.final_mean if full else None
     rows = []
     for name, s in stats.items():
@@ -180,13 +227,14 @@ def build_table(stats: dict[str, VariantStats], failures: list[FailedRun], label
                          beyond_noise=None if delta is None else beyond_noise(delta, s.final_spread, full.final_spread),
                          reach_tokens=reach, ratio=None if reach is None else reach / full.budget_tokens,
                          tokens_per_s=s.tokens_per_s))
-    headline = baseline_headline(stats.get(BASELINE), full)
+    headline = baseline_headline(stats.get(suite.baseline), full)
+    short = suite.target
     lines = [f"## Ablation: {label}", ""]
-    lines.append(f"Target: the full recipe's final mean val loss, {target:.4f}." if target is not None else
-                 "No full-recipe run finished: differences and tokens-to-reach are not available.")
+    lines.append(f"Target: {name_of_target}'s final mean val loss, {target:.4f}." if target is not None else
+                 f"No {short} run finished: differences and tokens-to-reach are not available.")
     lines += [f"Baseline: {headline}.", "",
-              "| variant | runs | final val loss (mean) | seed spread (noise) | Δ vs full | beyond 2× noise | "
-              "tokens to reach full's final | ratio to full's budget | tokens/s |",
+              f"| variant | runs | final val loss (mean) | seed spread (noise) | Δ vs {short} | beyond 2× noise | "
+              f"tokens to reach {short}'s final | ratio to {short}'s budget | tokens/s |",
               "|---|---|---|---|---|---|---|---|---|"]
     for row in rows:
         delta = "n/a" if row["delta"] is None else f"{row['delta']:+.4f}"
@@ -194,11 +242,11 @@ def build_table(stats: dict[str, VariantStats], failures: list[FailedRun], label
         ratio = "n/a" if row["ratio"] is None else f"{row['ratio']:.2f}"
         lines.append(f"| {row['name']} | {row['n']} | {row['final_mean']:.4f} | {row['spread']:.4f} | {delta} | "
                      f"{mark} | {fmt_tokens(row['reach_tokens'])} | {ratio} | {row['tokens_per_s']:,.0f} |")
-    lines += ["", f"Note: {BASELINE_NOTE}",
+    lines += ["", f"Note: {suite.note}",
               "Seed spread is max - min of the final val loss over seeds. A difference is beyond the noise when it "
-              "exceeds twice the larger spread of the variant and the full recipe. Tokens-to-reach uses the mean "
-              "curve over seeds, interpolated between validation points; the ratio divides it by the full "
-              "recipe's token budget. tokens/s is training throughput with validation excluded, measured while "
+              f"exceeds twice the larger spread of the variant and {name_of_target}. Tokens-to-reach uses the mean "
+              f"curve over seeds, interpolated between validation points; the ratio divides it by {name_of_target}'s "
+              "token budget. tokens/s is training throughput with validation excluded, measured while "
               "parallel runs shared the cores."]
     if failures:
         lines += ["", "Runs left out (failed, or not run):"]
@@ -232,15 +280,35 @@ def run_specs(variants: list[str], seeds: int, num_iterations: int, val_every: i
             common = ["--preset=cpu", f"--seed={seed}", f"--batch_tokens={batch_tokens}",
                       f"--num_iterations={num_iterations}",
                       f"--val_every={val_every}", f"--val_tokens={val_tokens}"]
-            specs.append(RunSpec(name, seed, common + overrides[name] +
+            steps = equal_budget_steps(common + overrides[name], num_iterations * batch_tokens)
+            specs.append(RunSpec(name, seed, common + overrides[name] + [f"--num_iterations={steps}"] +
                                  [f"--run_id={name}_s{seed}", f"--log_dir={log_dir}"]))
     return specs
 
 
-def expected_hyperparameters(spec: RunSpec) -> dict:
-    """What the run's summary must record for --resume-existing to reuse it."""
+def trainer():
     sys.path.insert(0, str(REPO))
     import train_gpt
+    return train_gpt
+
+
+def equal_budget_steps(args: list[str], budget: int) -> int:
+    """The step count whose batch schedule trains closest to `budget` tokens (fewer steps on a tie):
+    --num_iterations for a constant batch, more steps for a schedule that starts smaller."""
+    T = trainer()
+    parsed = T.parse_args(args, False)
+
+    def tokens(steps: int) -> int:
+        return T.batch_schedule(dataclasses.replace(parsed, num_iterations=steps), 1).tokens_before(steps)
+    steps = max(1, budget // parsed.batch_tokens)
+    while tokens(steps) < budget:
+        steps += 1
+    return steps - 1 if steps > 1 and budget - tokens(steps - 1) <= tokens(steps) - budget else steps
+
+
+def expected_hyperparameters(spec: RunSpec) -> dict:
+    """What the run's summary must record for --resume-existing to reuse it."""
+    train_gpt = trainer()
     parsed = train_gpt.parse_args([a for a in spec.args if not a.startswith(("--run_id", "--log_dir"))], False)
     return {k: v for k, v in vars(parsed).items() if k not in ("run_id", "log_dir")}
 
@@ -252,7 +320,11 @@ def reusable_summary(spec: RunSpec, log_dir: Path) -> dict | None:
     except (OSError, ValueError):
         return None
     recorded = {k: v for k, v in summary.get("hyperparameters", {}).items() if k not in ("run_id", "log_dir")}
-    if summary.get("status") != "finished" or recorded != expected_hyperparameters(spec):
+    expected = expected_hyperparameters(spec)
+    # A run from before a hyperparameter existed ran its default (each new switch defaults to the old math).
+    defaults = {f.name: f.default for f in dataclasses.fields(trainer().Hyperparameters)}
+    recorded.update({k: v for k, v in expected.items() if k not in recorded and v == defaults.get(k)})
+    if summary.get("status") != "finished" or recorded != expected:
         return None
     return summary
 
@@ -318,7 +390,7 @@ def run_all(specs: list[RunSpec], log_dir: Path, jobs: int, resume: bool,
     return results, failures, len(specs) - len(todo)
 
 
-def plot(stats: dict[str, VariantStats], target: float | None, label: str, path: Path) -> str:
+def plot(stats: dict[str, VariantStats], target: float | None, label: str, path: Path, suite: Suite) -> str:
     """Mean val loss vs tokens per variant (the step-0 point is left out: it only stretches the axis)."""
     try:
         import matplotlib
@@ -329,11 +401,11 @@ def plot(stats: dict[str, VariantStats], target: float | None, label: str, path:
     fig, ax = plt.subplots(figsize=(9, 5.5))
     for name, s in stats.items():
         pts = [(t, loss) for t, loss in s.curve if t > 0]
-        style = dict(linewidth=2.5, color="black") if name == FULL else \
-            dict(linewidth=2.5, color="tab:red", linestyle="--") if name == BASELINE else dict(linewidth=1.2)
+        style = dict(linewidth=2.5, color="black") if name == suite.target else \
+            dict(linewidth=2.5, color="tab:red", linestyle="--") if name == suite.baseline else dict(linewidth=1.2)
         ax.plot([t for t, _ in pts], [loss for _, loss in pts], marker="o", markersize=3, label=name, **style)
     if target is not None:
-        ax.axhline(target, color="gray", linestyle=":", linewidth=1, label=f"full recipe final {target:.3f}")
+        ax.axhline(target, color="gray", linestyle=":", linewidth=1, label=f"{suite.target} final {target:.3f}")
     ax.set_xlabel("training tokens")
     ax.set_ylabel("validation loss (mean over seeds)")
     ax.set_title(textwrap.fill(label, 100), fontsize=8)
@@ -355,10 +427,11 @@ def parse_cli(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--val_every", type=int, default=DEFAULT_VAL_EVERY, help="validation interval in steps")
     p.add_argument("--val_tokens", type=int, default=DEFAULT_VAL_TOKENS,
                    help=f"held-out validation tokens, a multiple of {VAL_SEQ_LEN} ({DEFAULT_VAL_TOKENS})")
-    p.add_argument("--variants", default=",".join(VARIANTS),
-                   help="comma-separated subset of: " + ", ".join(VARIANTS))
+    p.add_argument("--suite", default="reference", choices=list(SUITES),
+                   help="reference: the 2025-01-26 techniques; v2_part1: recipe v2's optimizer half (issue 13)")
+    p.add_argument("--variants", default=None, help="comma-separated subset of the suite's variants (all)")
     p.add_argument("--jobs", type=int, default=2, help="parallel runs; each gets OMP_NUM_THREADS = cores // jobs")
-    p.add_argument("--out", type=Path, default=REPO / "bench" / "results", help="folder for logs, table, plot")
+    p.add_argument("--out", type=Path, default=None, help="folder for logs, table, plot (the suite's folder)")
     p.add_argument("--baseline-matrix-adam-lr", dest="baseline_lr", type=float, default=None,
                    help="the baseline's AdamW lr for hidden matrices (default: train_gpt.py's matrix_adam_lr)")
     p.add_argument("--report-only", dest="report_only", action="store_true",
@@ -366,10 +439,12 @@ def parse_cli(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--resume-existing", dest="resume_existing", action="store_true",
                    help="reuse finished run summaries in OUT/logs whose hyperparameters match")
     a = p.parse_args(argv)
-    a.variants = [v.strip() for v in a.variants.split(",") if v.strip()]
-    unknown = [v for v in a.variants if v not in VARIANTS]
+    suite = SUITES[a.suite]
+    a.out = a.out or REPO / suite.out
+    a.variants = [v.strip() for v in a.variants.split(",") if v.strip()] if a.variants else list(suite.variants)
+    unknown = [v for v in a.variants if v not in suite.variants]
     if unknown:
-        p.error(f"unknown variant(s) {', '.join(unknown)}; valid: {', '.join(VARIANTS)}")
+        p.error(f"unknown variant(s) {', '.join(unknown)} in suite {a.suite}; valid: {', '.join(suite.variants)}")
     if a.seeds < 1 or a.jobs < 1 or a.num_iterations < 1 or a.val_every < 0:
         p.error("--seeds, --jobs and --num_iterations must be >= 1, --val_every >= 0")
     if a.val_tokens <= 0 or a.val_tokens % VAL_SEQ_LEN or a.val_tokens > SAMPLE_VAL_TOKENS:
@@ -385,11 +460,12 @@ def main(argv: list[str] | None = None) -> int:
     out = a.out.resolve()
     log_dir = out / "logs"
     cores = os.cpu_count() or 1
+    suite = SUITES[a.suite]
     label = (f"CPU ({cores} cores), bundled State of the Union sample, cpu preset, {a.num_iterations} steps × "
              f"{a.batch_tokens} tokens, {a.seeds} seed(s), val {a.val_tokens} held-out tokens every {a.val_every} "
              f"steps, {a.jobs} run(s) in parallel")
-    overrides = dict(VARIANTS)
-    if a.baseline_lr is not None:
+    overrides = dict(suite.variants)
+    if a.baseline_lr is not None and BASELINE in overrides:
         overrides[BASELINE] = VARIANTS[BASELINE] + [f"--matrix_adam_lr={a.baseline_lr}"]
         label += f", baseline matrix_adam_lr {a.baseline_lr}"
     specs = run_specs(a.variants, a.seeds, a.num_iterations, a.val_every, a.val_tokens, log_dir, overrides,
@@ -404,13 +480,13 @@ def main(argv: list[str] | None = None) -> int:
     if not stats:
         print("error: no run finished; nothing to report", file=sys.stderr)
         return 1
-    table = build_table(stats, failures, label)
+    table = build_table(stats, failures, label, suite)
     trained = 0 if a.report_only else len(specs) - reused
     text = table.markdown + (f"\nWall time of this invocation: {time.time() - started:.0f} s "
                              f"({trained} run(s) trained, {reused} reused from earlier invocations).\n")
     (out / "ablation.md").write_text(text)
     print(text)
-    print(plot(stats, table.target, label, out / "ablation.png"))
+    print(plot(stats, table.target, label, out / "ablation.png", suite))
     return 1 if failures else 0
 
 
