@@ -604,17 +604,21 @@ class TokenStream:
 
     def load_state(self, state: dict) -> None:
         self.epoch, self.shard, self.pos = state["epoch"], state["shard"], state["pos"]
-        self._tokens = None
+        self._forget_shard()
+
+    def _forget_shard(self) -> None:
+        """Drops the loaded shard and its document starts together (stale starts would misplace documents)."""
+        self._tokens, self._bos = None, None
 
     @property
     def tokens(self) -> np.ndarray:
         if self._tokens is None:
             self._tokens = load_shard(self.files[self.shard], self.vocab_size)
-            self._bos = None
         return self._tokens
 
     def _next_shard(self) -> None:
-        self.shard, self.pos, self._tokens = self.shard + 1, 0, None
+        self.shard, self.pos = self.shard + 1, 0
+        self._forget_shard()
         if self.shard == len(self.files):
             if not self.cycle:
                 raise UsageError(f"ran out of training data after {self.epoch + 1} pass(es) over {len(self.files)} "

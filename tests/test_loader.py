@@ -96,9 +96,9 @@ def test_rank_slices_are_disjoint_and_cover_the_global_batch(tmp_path, world_siz
     expected = global_layout(files, seq_len, world_size * accum * steps)
     per_rank = []
     for rank in range(world_size):
-        loader = T.DistributedTokenLoader(T.TokenStream(files, VOCAB, False), seq_len, rank, world_size, accum,
-                                          False, torch.device("cpu"))
-        per_rank.append([loader.next_batch() for _ in range(steps)])
+        loader = T.DistributedTokenLoader(T.TokenStream(files, VOCAB, False), seq_len, rank, world_size,
+                                          False, 0, torch.device("cpu"))
+        per_rank.append([loader.next_batch(accum) for _ in range(steps)])
     seen = []
     for step in range(steps):
         chunk_of = {}
@@ -119,9 +119,9 @@ def test_rank_slices_are_disjoint_and_cover_the_global_batch(tmp_path, world_siz
 
 def test_bos_alignment_starts_every_sequence_at_a_document(tmp_path):
     files = [write_shard(tmp_path / "s.bin", doc_tokens(20000, seed=3))]
-    loader = T.DistributedTokenLoader(T.TokenStream(files, VOCAB, False), 256, 1, 2, 2, True, torch.device("cpu"))
+    loader = T.DistributedTokenLoader(T.TokenStream(files, VOCAB, False), 256, 1, 2, True, 0, torch.device("cpu"))
     for _ in range(5):
-        for x, _ in loader.next_batch():
+        for x, _ in loader.next_batch(2):
             assert x[0].item() == T.EOT_TOKEN
 
 
@@ -162,3 +162,60 @@ def test_validation_split_over_ranks_covers_the_budget_once(tmp_path):
     too_much = T.Hyperparameters(val_tokens=4096, val_seq_len=256)
     with pytest.raises(T.UsageError, match="lower --val_tokens"):
         T.validation_sequences(files, too_much, 0, 1)
+
+
+def capped_packing_reference(tokens, n_seqs, seq_len, cap):
+    """2025-09-03_FA3's packing, from the documents: each sequence (seq_len + 1 tokens with its last target)
+    is whole documents from a document start, each cut to `cap` tokens; the document that overflows the
+    sequence is cut there and the rest of it dropped."""
+    starts = np.flatnonzero(tokens == T.EOT_TOKEN)
+    docs = [tokens[a:b][:cap] for a, b in zip(starts, list(starts[1:]) + [len(tokens)])]
+    out, i = [], 0
+    for _ in range(n_seqs):
+        buf = []
+        while len(buf) < seq_len + 1:
+            buf += list(docs[i])
+            i += 1
+        out.append(np.array(buf[:seq_len + 1]))
+    return out
+
+
+@pytest.mark.parametrize("cap", [16, 37, 10_000])
+def test_document_length_cap_packs_capped_documents_from_their_starts(tmp_path, cap):
+    tokens = doc_tokens(30000, seed=5, mean_doc=60)
+    tokens[:7] = 11  # text before the first document start is never trained on
+    files = [write_shard(tmp_path / "s.bin", tokens)]
+    stream = T.TokenStream(files, VOCAB, cycle=False)
+    got = [np.array(stream.take(256, bos_align=True, doc_cap=cap)) for _ in range(20)]
+    expected = capped_packing_reference(tokens[7:], 20, 256, cap)
+    for g, e in zip(got, expected):
+        np.testing.assert_array_equal(g, e)
+        assert g[0] == T.EOT_TOKEN
+        run = max_run_without_eot(g)
+        assert run <= cap - 1  # no document piece is longer than the cap (its EOT plus cap - 1 tokens)
+
+
+def max_run_without_eot(seq):
+    longest = current = 0
+    for t in seq:
+        current = 0 if t == T.EOT_TOKEN else current + 1
+        longest = max(longest, current)
+    return longest
+
+
+def test_capped_packing_resumes_at_the_same_tokens_and_never_spans_shards(tmp_path):
+    files = [write_shard(tmp_path / "a.bin", doc_tokens(3000, seed=1)),
+             write_shard(tmp_path / "b.bin", doc_tokens(4000, seed=2))]
+    stream = T.TokenStream(files, VOCAB, cycle=False)
+    for _ in range(5):
+        stream.take(256, bos_align=True, doc_cap=48)
+    state = stream.state()
+    expected = [np.array(stream.take(256, bos_align=True, doc_cap=48)) for _ in range(8)]
+    assert stream.shard == 1  # the expected sequences crossed into the second shard
+    restored = T.TokenStream(files, VOCAB, cycle=False)
+    restored.load_state(state)
+    for e in expected:
+        np.testing.assert_array_equal(np.array(restored.take(256, bos_align=True, doc_cap=48)), e)
+    second = doc_tokens(4000, seed=2)
+    first_of_second = capped_packing_reference(second, 1, 256, 48)[0]
+    assert any(np.array_equal(e, first_of_second) for e in expected)  # shard b starts afresh at its first document
