@@ -374,14 +374,19 @@ FLAG_RULES: dict[str, Rule] = {
 }
 
 
-def validate_args(args: Hyperparameters) -> None:
-    """Refuses, with one line naming the flag and its valid range, any value the run would trip over later."""
+def check_flag_ranges(args: Hyperparameters) -> None:
+    """Refuses, with one line naming the flag and its valid range, any value outside its FLAG_RULES range."""
     missing = [f.name for f in fields(Hyperparameters) if f.name not in FLAG_RULES]
     assert not missing, f"no validation rule for {missing}"  # a new field needs its entry in FLAG_RULES
     for name, rule in FLAG_RULES.items():
         value = getattr(args, name)
         if not rule.ok(value):
             raise UsageError(f"bad value {value!r} for --{name}; valid: {rule.valid}")
+
+
+def validate_args(args: Hyperparameters) -> None:
+    """Refuses, in one line, any value or combination of values the run would trip over later."""
+    check_flag_ranges(args)
     # Relations between flags, once every flag is in range.
     for name in ("seq_len", "val_seq_len"):
         if getattr(args, name) % BLOCK_SIZE:

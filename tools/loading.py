@@ -56,7 +56,13 @@ def hyperparameters_from(recorded: dict, where: Path) -> T.Hyperparameters:
     for name in sorted(known - set(recorded)):
         print(f"warning: {where} records no {name!r}; using this train_gpt.py's default "
               f"{getattr(T.Hyperparameters, name)!r}", file=sys.stderr)
-    return T.Hyperparameters(**recorded)
+    args = T.Hyperparameters(**recorded)
+    try:
+        T.check_flag_ranges(args)  # a value this version refuses (a recipe it does not know, say): another version
+    except T.UsageError as e:
+        raise T.UsageError(f"{where} records hyperparameters this train_gpt.py refuses ({e}): it comes from "
+                           "another recipe or version; use the train_gpt.py that wrote it") from None
+    return args
 
 
 def weights_shape(state: dict) -> dict[str, object]:
