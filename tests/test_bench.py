@@ -92,7 +92,7 @@ def test_table_targets_the_full_recipe_and_reports_ratios_to_its_budget():
     md = table.markdown
     assert "LABEL" in md and "| no_qk_norm | 1 | 7.0000 | 0.0000 | +3.9950 | **yes** | not reached | n/a |" in md
     assert "| no_muon | 2 | 2.5000 | 0.0000 | -0.5050 | **yes** |" in md
-    assert "full recipe reaches the baseline's final val loss 5.0000 after" in table.headline
+    assert "full reaches baseline's final val loss 5.0000 after 9,216 tokens = 0.500 x" in table.headline
     assert "rotary" in md  # the baseline keeps rotary, and says so
 
 
@@ -254,7 +254,8 @@ def test_gpu_check_reads_the_summary_of_a_real_run(tmp_path):
     assert summary["step_avg_ms"] == pytest.approx(summary["train_time_ms"] / 2)
     assert summary["peak_memory_mib"] > 0 and summary["recompiles_after_warmup"] == 0
     assert summary["runtime"] == {"attention": "banded", "fp8_head": False, "compile": "off", "dtype": "bfloat16",
-                                  "device": "cpu", "chunked_loss": True, "world_size": 1, "grad_accum_steps": 2}
+                                  "device": "cpu", "chunked_loss": True, "world_size": 1, "grad_accum_steps": 2,
+                                  "batch_stages": [[0, 512, 2]]}  # one stage from step 0: 512 tokens, 2 micro-steps
 
 
 def test_gpu_check_kernel_table_from_a_chrome_trace(tmp_path):
@@ -278,3 +279,33 @@ def test_report_only_tabulates_finished_runs_and_names_the_missing_ones(tmp_path
     assert rc == 1 and "| full | 1 | 5.0000 |" in md and "| baseline | 1 | 6.0000 |" in md
     assert "- full_s1: not run (--report-only" in md and "- baseline_s1: not run" in md
     assert not list((out / "logs").glob("*_s1.json"))  # nothing was trained
+
+
+# ---------------------------------------------------------------- the recipe-v2 suite
+
+def test_v2_suite_gives_every_variant_the_same_token_budget(tmp_path):
+    """The batch ramp's smaller early steps buy v2 more steps: 43 x 2048 + 43 x 3072 + 42 x 4096 = 392,192
+    tokens in 128 steps, the closest to the reference's 96 x 4096 = 393,216."""
+    suite = A.SUITES["v2_part1"]
+    specs = A.run_specs(list(suite.variants), 1, 96, 24, 65536, tmp_path, suite.variants)
+    steps = {s.variant: int(next(a for a in reversed(s.args) if a.startswith("--num_iterations="))
+                            .split("=")[1]) for s in specs}
+    assert steps["reference"] == steps["v2_part1_no_batch_schedule"] == 96
+    assert all(steps[v] == 128 for v in suite.variants if v not in ("reference", "v2_part1_no_batch_schedule"))
+    for spec in specs:
+        args = T.parse_args([a for a in spec.args if not a.startswith(("--run_id", "--log_dir"))], False)
+        trained = T.batch_schedule(args, 1).tokens_before(args.num_iterations)
+        assert abs(trained - 393_216) <= 1024, (spec.variant, trained)
+    v2 = T.parse_args(next(s for s in specs if s.variant == "v2_part1").args[:-2], False)
+    assert v2.recipe == "v2" and T.batch_schedule(v2, 1).tokens_before(128) == 43 * 2048 + 43 * 3072 + 42 * 4096
+
+
+def test_v2_table_targets_v2_and_compares_the_reference():
+    suite = A.SUITES["v2_part1"]
+    stats = {"reference": A.variant_stats("reference", [summary("reference", s, [10.0, 6.0, 5.0]) for s in range(2)]),
+             "v2_part1": A.variant_stats("v2_part1", [summary("v2_part1", s, [10.0, 5.0, 4.0 + 0.01 * s])
+                                                      for s in range(2)])}
+    table = A.build_table(stats, [], "LABEL", suite)
+    assert table.target == pytest.approx(4.005)
+    assert table.headline.startswith("v2_part1 reaches reference's final val loss 5.0000 after 6,144 tokens")
+    assert "| reference | 2 | 5.0000 | 0.0000 | +0.9950 | **yes** |" in table.markdown

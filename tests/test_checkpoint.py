@@ -71,6 +71,29 @@ def test_a_two_rank_checkpoint_resumes_on_one_and_on_four_ranks(tmp_path):
         assert all(abs(losses[s] - uninterrupted[s]) < 1e-3 for s in losses), (nproc, losses, uninterrupted)
 
 
+def test_recipe_v2_resumes_bit_identically_across_a_batch_stage_change(tmp_path):
+    """Stopped after step 3 of a 2-stage ramp over 8 steps (stage 1 starts at step 5): the resumed run changes
+    stage itself, with NorMuon's moments, the cautious decay and the capped-document loader position
+    restored. (Not earlier: zero-init output layers leave the hidden matrices without gradient for the
+    first steps, so their NorMuon moments would still be zero and a lost moment would not show.)"""
+    from test_training import V2_TINY
+    args = TINY + V2_TINY + ["--num_iterations=8", "--val_every=0", "--checkpoint_final=true"]
+    assert run_trainer(args + ["--run_id=whole"], tmp_path / "whole").returncode == 0
+    first = run_trainer(args + ["--run_id=first", "--stop_after=3"], tmp_path / "parts")
+    assert first.returncode == 0, first.stderr[-2000:]
+    moments = T.read_checkpoint_tensors(tmp_path / "parts" / "first" / "step_000003", "normuon/")
+    assert moments and all(m.abs().sum() > 0 for m in moments.values())
+    second = run_trainer(args + ["--run_id=second", "--resume=latest"], tmp_path / "parts")
+    assert second.returncode == 0, second.stderr[-2000:]
+    uninterrupted = train_losses((tmp_path / "whole" / "whole.txt").read_text())
+    resumed = train_losses((tmp_path / "parts" / "second.txt").read_text())
+    assert sorted(resumed) == [4, 5, 6, 7, 8] and all(resumed[s] == uninterrupted[s] for s in resumed)
+    a, b = final_model(tmp_path / "whole", "whole", 8), final_model(tmp_path / "parts", "second", 8)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    summary = json.loads((tmp_path / "parts" / "second.json").read_text())
+    assert summary["tokens"] == 4 * 512 + 4 * 1024  # the tokens of all 8 steps, the resumed ones at their stage
+
+
 def test_checkpoint_every_keeps_the_last_k(tmp_path):
     result = run_trainer(SIX + ["--run_id=keep", "--checkpoint_every=1", "--checkpoint_keep=2"], tmp_path)
     assert result.returncode == 0, result.stderr

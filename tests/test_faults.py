@@ -189,6 +189,12 @@ BAD_VALUES = {  # field: (a value just inside the valid range, values outside it
     "hellaswag_every": ("0", ["-1"]), "hellaswag_data": ("", []), "sample_at_end": ("0", ["-2"]),
     "checkpoint_keep": ("1", ["0"]), "resume": ("latest", []),  # any text; a bad folder fails at start-up
     "stop_after": ("0", ["-1"]),
+    # recipe v2 (part 1)
+    "recipe": ("v2", ["v3"]), "doc_len_cap": ("0", ["-1"]), "batch_schedule": ("1/2,1", ["0", "1/2,3/2", "half"]),
+    "batch_lr_exponent": ("0", ["-0.5", "nan"]), "polar_express": ("true", ["x"]), "normuon": ("true", ["x"]),
+    "normuon_beta2": ("0", ["1", "-0.1"]), "cautious_wd": ("true", ["x"]), "muon_cautious_wd": ("0", ["-1"]),
+    "adam_cautious_wd": ("0", ["nan"]), "scalar_adam_beta1": ("none", ["1", "x"]),
+    "scalar_adam_beta2": ("0.99", ["1.5"]),
 }
 
 

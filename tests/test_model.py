@@ -520,7 +520,7 @@ def test_small_model_learns_synthetic_documents():
                    attention="banded", fp8_head=False, compile=False)
     torch.manual_seed(0)
     model = T.build_model(args, rt)
-    opt = T.build_optimizers(model, args, rank=0, world_size=1, accum=1)
+    opt = T.build_optimizers(model, args, rank=0, world_size=1)
     document = [EOT] + [(37 * i) % 1000 + 5 for i in range(1, 16)]  # a fixed 16-token document, repeated
     stream = torch.tensor(document * 40)
     losses = []
@@ -531,7 +531,7 @@ def test_small_model_learns_synthetic_documents():
         loss.backward()
         opt.step(T.lr_multiplier(step, args.num_iterations, args.cooldown_frac, args.lr_final_frac),
                  T.muon_momentum(step, args.muon_momentum_warmup_steps, args.muon_momentum_start,
-                                 args.muon_momentum))
+                                 args.muon_momentum), 1)
         model.zero_grad(set_to_none=False)
         losses.append(loss.item())
     assert losses[0] == pytest.approx(math.log(50304), abs=1e-3)

@@ -28,11 +28,11 @@ def matrix_with_spectrum(rows, cols, singular_values, seed):
     return ((U * singular_values) @ V.T).float()
 
 
-def polynomial_band(lo, hi, steps=5):
-    """Where the scalar map s -> a s + b s^3 + c s^5, applied `steps` times, sends [lo, hi] (fine grid)."""
-    a, b, c = NS_COEFFS
+def polynomial_band(lo, hi, steps=5, coefficients=None):
+    """Where the scalar maps s -> a s + b s^3 + c s^5 (NS's fixed one `steps` times, or each of
+    `coefficients` once) send [lo, hi] (fine grid, float64)."""
     s = np.linspace(lo, hi, 400_001)
-    for _ in range(steps):
+    for a, b, c in coefficients or [NS_COEFFS] * steps:
         s = a * s + b * s ** 3 + c * s ** 5
     return s.min(), s.max()
 
@@ -60,6 +60,43 @@ def test_newton_schulz_singular_values_in_band(rows, cols, scale):
     assert cos > 0.98
 
 
+# The record's (2025-09-29_PolarExpress) coefficients, copied from its log, not from train_gpt.py.
+RECORD_POLAR_EXPRESS = [(8.156554524902461, -22.48329292557795, 15.878769915207462),
+                        (4.042929935166739, -2.808917465908714, 0.5000178451051316),
+                        (3.8916678022926607, -2.772484153217685, 0.5060648178503393),
+                        (3.285753657755655, -2.3681294933425376, 0.46449024233003106),
+                        (2.3465413258596377, -1.7097828382687081, 0.42323551169305323)]
+
+
+def test_polar_express_band_is_the_records_and_tighter_than_newton_schulz():
+    """The scalar maps alone: singular values in [1e-3, 1] (after the 1.02 safety margin) end in
+    [0.847, 1.141] after the 5 Polar Express steps; the fixed quintic leaves [0.47, 1.20]."""
+    assert T.POLAR_EXPRESS_COEFFICIENTS == RECORD_POLAR_EXPRESS
+    lo, hi = polynomial_band(1e-3 / 1.02, 1 / 1.02, coefficients=RECORD_POLAR_EXPRESS)
+    assert 0.846 < lo < 0.848 and 1.140 < hi < 1.142
+    ns_lo, ns_hi = polynomial_band(1e-3, 1.0)
+    assert ns_lo < 0.48 and ns_hi > 1.2
+
+
+@pytest.mark.parametrize("rows, cols", [(64, 64), (32, 96), (96, 32)])
+@pytest.mark.parametrize("scale", [1e-3, 1.0, 50.0])
+def test_polar_express_singular_values_follow_its_polynomials(rows, cols, scale):
+    k = min(rows, cols)
+    s = torch.logspace(-2, 0, k, dtype=torch.float64) * scale
+    G = matrix_with_spectrum(rows, cols, s, seed=rows * 5 + cols)
+    X = T.polar_express(G, 5)
+    assert X.shape == G.shape and X.dtype == torch.bfloat16
+    out = torch.linalg.svdvals(X.double())
+    norm = s.norm().item() * 1.02  # what polar_express divides by
+    lo, hi = polynomial_band(s.min().item() / norm, s.max().item() / norm, coefficients=RECORD_POLAR_EXPRESS)
+    slack = 0.04  # bf16 in 15 matmuls; the first polynomial's large coefficients amplify rounding a little more
+    assert lo - slack <= out.min().item() and out.max().item() <= hi + slack, (lo, hi, out.min(), out.max())
+    assert 0.8 <= out.min().item() and out.max().item() <= 1.19  # much tighter than NS's [0.6, 1.25]
+    U, _, Vh = torch.linalg.svd(G.double(), full_matrices=False)
+    polar = U @ Vh
+    assert (X.double() * polar).sum() / (X.double().norm() * polar.norm()) > 0.99
+
+
 def test_newton_schulz_batched_matches_separate_matrices():
     G = torch.randn(3, 40, 24)
     batched = T.newton_schulz(G)
@@ -79,7 +116,7 @@ def small_model(*extra, seed=0):
     args = T.parse_args(SMALL + list(extra), False)
     torch.manual_seed(seed)
     model = T.build_model(args, runtime())  # embeddings in bf16, like training
-    return args, model, T.build_optimizers(model, args, rank=0, world_size=1, accum=1)
+    return args, model, T.build_optimizers(model, args, rank=0, world_size=1)
 
 
 def batch(seed, args):
@@ -100,34 +137,95 @@ def params(model):
     return {n: p.detach().float().clone() for n, p in model.named_parameters()}
 
 
-def muon_reference_update(g, buf, momentum):
-    """Momentum, Nesterov, then Newton-Schulz of each matrix on its own (Q, K, V separately)."""
+def normuon_reference(o, v, beta2):
+    """NorMuon on one matrix, entry by entry in float64: v[j] averages o[i][j]^2 over i for a wide matrix
+    (one value per column), over j for a tall or square one (per row); o is divided by sqrt(v), then
+    rescaled to its old Frobenius norm."""
+    o = o.double()
+    rows, cols = o.shape
+    per_row = rows >= cols
+    n_stats = rows if per_row else cols
+    v = [beta2 * v[k] + (1 - beta2) * sum((o[k, j] if per_row else o[j, k]) ** 2
+                                          for j in range(cols if per_row else rows)) / (cols if per_row else rows)
+         for k in range(n_stats)]
+    out = o.clone()
+    for i in range(rows):
+        for j in range(cols):
+            out[i, j] = o[i, j] / v[i if per_row else j] ** 0.5
+    return out * (o.norm() / out.norm()), v
+
+
+def test_normuon_by_hand_on_a_3x4_matrix():
+    """Two steps on a wide 3x4 update (statistics per column) and a tall 4x3 one (per row)."""
+    first = torch.tensor([[1.0, -2.0, 0.5, 0.0], [3.0, 1.0, -1.0, 2.0], [0.0, 1.0, 1.0, -4.0]])
+    second = torch.tensor([[0.5, 1.0, -1.5, 2.0], [-1.0, 0.0, 2.0, 1.0], [2.0, -1.0, 0.5, 0.5]])
+    for transpose in (False, True):
+        a, b = (first.T.contiguous(), second.T.contiguous()) if transpose else (first, second)
+        state = T.neuron_second_moment(a)
+        assert state.shape == ((4, 1) if transpose else (1, 3 + 1)) and state.dtype == torch.float32
+        ref_v = [0.0] * 4
+        for update in (a, b):
+            got = T.normuon_normalize(update, state, 0.95)
+            ref, ref_v = normuon_reference(update, ref_v, 0.95)
+            torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(state.flatten().double(), torch.tensor(ref_v, dtype=torch.float64))
+            assert not torch.allclose(got, update * (update.norm() / got.norm()))  # it did change the direction
+    # first step from a zero state: column j of the wide matrix is divided by sqrt(0.05 * mean_i a_ij^2)
+    col_ms = (first ** 2).mean(dim=0)
+    expect = first / (0.05 * col_ms).sqrt()
+    torch.testing.assert_close(T.normuon_normalize(first, T.neuron_second_moment(first), 0.95),
+                               expect * first.norm() / expect.norm())
+
+
+def test_cautious_decay_touches_only_coordinates_whose_signs_agree():
+    p = torch.tensor([[0.5, -0.5, 0.2], [-0.1, 0.3, 0.0]])
+    u = torch.tensor([[1.0, 1.0, -1.0], [-2.0, -1.0, 1.0]])  # agree: (0,0), (1,0), and (1,2) where p is zero
+    assert T.cautious_mask(u, p).tolist() == [[1.0, 0.0, 0.0], [1.0, 0.0, 1.0]]
+    q = p.clone()
+    T.Muon._apply(q, u.flatten(), lr=0.1, cautious_wd=2.0)  # wide 2x3: shape scale max(1, 2/3) ** 0.5 = 1
+    expected = p - 0.1 * (u + 0.1 * 2.0 * T.cautious_mask(u, p) * p)
+    torch.testing.assert_close(q, expected)
+    decayed = (q - (p - 0.1 * u)).ne(0)
+    assert decayed.tolist() == [[True, False, False], [True, False, False]]  # the zero weight has nothing to lose
+
+
+def muon_reference_update(g, buf, momentum, orthogonalize=T.newton_schulz, normuon=None):
+    """Momentum, Nesterov, then orthogonalisation of each matrix on its own (Q, K, V separately), then
+    NorMuon's per-neuron normalisation when given its second moments (a list per matrix)."""
     buf = momentum * buf + (1 - momentum) * g
     nesterov = (1 - momentum) * g + momentum * buf
-    if g.ndim == 3:
-        ortho = torch.stack([T.newton_schulz(m) for m in nesterov])
-    else:
-        ortho = T.newton_schulz(nesterov)
-    return ortho.float(), buf
+    mats = list(nesterov) if g.ndim == 3 else [nesterov]
+    ortho = [orthogonalize(m).float() for m in mats]
+    if normuon is not None:
+        pairs = [normuon_reference(o, v, 0.95) for o, v in zip(ortho, normuon)]
+        ortho, normuon[:] = [o.float() for o, _ in pairs], [v for _, v in pairs]
+    return (torch.stack(ortho) if g.ndim == 3 else ortho[0]), buf
 
 
-def test_muon_two_steps_match_reference():
-    args, model, opt = small_model()
+@pytest.mark.parametrize("extra", [[], ["--polar_express=true"], ["--normuon=true"],
+                                   ["--cautious_wd=true", "--muon_cautious_wd=5"]], ids=lambda e: e[0] if e else "R")
+def test_muon_two_steps_match_reference(extra):
+    args, model, opt = small_model(*extra)
     muon_names = {n for n, p in model.named_parameters() if n.startswith("blocks.") and p.ndim >= 2}
     assert len(muon_names) == 2 * 3 + 2  # per layer: qkv_w, attn c_proj, mlp c_fc, mlp c_proj
     before = params(model)
     bufs = {n: torch.zeros_like(before[n]) for n in muon_names}
+    orthogonalize = T.polar_express if args.polar_express else T.newton_schulz
+    stats = {n: [[0.0] * max(before[n].shape[-2:]) for _ in range(3 if before[n].ndim == 3 else 1)]
+             for n in muon_names} if args.normuon else {}
     # two steps: with one step from zero momentum the NS input is a scalar multiple of the gradient and
     # Nesterov or the momentum value would not show; the second step tells them apart.
     for step, (lr_mult, momentum) in enumerate([(1.0, 0.85), (0.5, 0.9)]):
         grads = backward(model, opt, args, seed=step)
-        opt.step(lr_mult, momentum)
+        opt.step(lr_mult, momentum, 1)
         model.zero_grad(set_to_none=False)
         after = params(model)
         for n in muon_names:
-            ortho, bufs[n] = muon_reference_update(grads[n], bufs[n], momentum)
+            ortho, bufs[n] = muon_reference_update(grads[n], bufs[n], momentum, orthogonalize, stats.get(n))
             rows, cols = before[n].shape[-2:]
             lr = args.muon_lr * lr_mult * max(1.0, rows / cols) ** 0.5  # c_fc (256x64) gets 2x
+            if args.cautious_wd:  # 2025-11-10_CautiousWD: lr * wd of the weight, where its sign is the update's
+                ortho = ortho + args.muon_lr * lr_mult * args.muon_cautious_wd * (ortho * before[n] >= 0) * before[n]
             ref_delta, delta = -lr * ortho, after[n] - before[n]
             rel = ((delta - ref_delta).norm() / ref_delta.norm()).item()
             # bf16 NS amplifies fp32 op-order differences in its input (lerp vs the formula above) to ~2%
@@ -135,21 +233,29 @@ def test_muon_two_steps_match_reference():
             # Nesterov moves it 40-55% and momentum 0.85 instead of 0.9 moves it 25-38%.
             assert rel < (1e-5 if step == 0 else 0.06), (step, n, rel)
             torch.testing.assert_close(opt.muon.state_tensors()[f"muon/{n}"], bufs[n], rtol=1e-5, atol=1e-7)
+            if args.normuon:  # its second moments are the state a checkpoint keeps, per neuron
+                got = opt.muon.state_tensors()[f"normuon/{n}"].flatten().double()
+                ref = torch.tensor([x for v in stats[n] for x in v], dtype=torch.float64)
+                torch.testing.assert_close(got, ref, rtol=0.1, atol=1e-9)
         before = after
 
 
-def adam_reference(p, g, state, lr, t, betas=(0.8, 0.95), eps=1e-10, wd=0.0):
-    """Bias-corrected Adam with decoupled (lr-scaled) weight decay, in float64."""
+def adam_reference(p, g, state, lr, t, betas=(0.8, 0.95), eps=1e-10, wd=0.0, cautious_wd=0.0):
+    """Bias-corrected Adam with decoupled (lr-scaled) weight decay, in float64. Cautious decay
+    (2025-11-10_CautiousWD, 2025-12-18_CautiousWDAdam) has the scheduled strength lr * wd, decoupled
+    (times lr again), and touches only the weights whose sign the new first moment shares."""
     m, v = state
     b1, b2 = betas
     m = b1 * m + (1 - b1) * g
     v = b2 * v + (1 - b2) * g * g
     m_hat, v_hat = m / (1 - b1 ** t), v / (1 - b2 ** t)
-    p = p * (1 - lr * wd) - lr * m_hat / (v_hat.sqrt() + eps)
+    agree = (m * p >= 0).double()
+    p = p * (1 - lr * wd) - lr * (lr * cautious_wd) * agree * p - lr * m_hat / (v_hat.sqrt() + eps)
     return p, (m, v)
 
 
-def check_adam_steps(extra, expected_lr, expected_wd, steps=((1.0, 0.85), (0.3, 0.9))):
+def check_adam_steps(extra, expected_lr, expected_wd, steps=((1.0, 0.85), (0.3, 0.9)),
+                     expected_betas=lambda n: (0.8, 0.95), expected_cautious_wd=lambda n: 0.0):
     args, model, opt = small_model(*extra)
     dtypes = {n: p.dtype for n, p in model.named_parameters()}
     lrs = {n: expected_lr(n, p) for n, p in model.named_parameters() if expected_lr(n, p) is not None}
@@ -157,14 +263,16 @@ def check_adam_steps(extra, expected_lr, expected_wd, steps=((1.0, 0.85), (0.3, 
     state = {n: (torch.zeros_like(ref[n]), torch.zeros_like(ref[n])) for n in ref}
     for t, (lr_mult, momentum) in enumerate(steps, start=1):
         grads = backward(model, opt, args, seed=10 + t)
-        opt.step(lr_mult, momentum)
+        opt.step(lr_mult, momentum, 1)
         model.zero_grad(set_to_none=False)
         got = dict(model.named_parameters())
         for n in ref:
             ref[n], state[n] = adam_reference(ref[n], grads[n].double(), state[n], lrs[n] * lr_mult, t,
-                                              wd=expected_wd(n))
-            if dtypes[n] == torch.bfloat16:  # bf16 parameter, fp32 master: within one bf16 rounding
-                torch.testing.assert_close(got[n].detach(), ref[n].to(torch.bfloat16), rtol=2 ** -8, atol=1e-6)
+                                              betas=expected_betas(n), wd=expected_wd(n),
+                                              cautious_wd=expected_cautious_wd(n))
+            if dtypes[n] == torch.bfloat16:  # bf16 parameter, fp32 master: within one bf16 step (2^-7 relative:
+                # a master a hair from a rounding boundary can land on the reference's neighbour)
+                torch.testing.assert_close(got[n].detach(), ref[n].to(torch.bfloat16), rtol=2 ** -7, atol=1e-6)
             else:
                 torch.testing.assert_close(got[n].detach().double(), ref[n], rtol=1e-5, atol=1e-6)
     return model
@@ -195,12 +303,28 @@ def test_adam_without_muon_and_with_weight_decay():
     check_adam_steps(["--muon=false", "--weight_decay=0.1"], lr, wd)
 
 
+def test_adam_cautious_decay_on_head_and_embeddings_and_smoothed_betas_on_the_scalars():
+    """Recipe v2's Adam: cautious decay 0.005 on head and embeddings, never on the scalars
+    (2025-12-18_CautiousWDAdam); the scalars' betas (0.9, 0.99) (2025-12-21_SmoothedScalars). wd 0.5 (100x
+    the recipe's) makes the decay of the embeddings (lr 0.6: 0.6 * 0.6 * 0.5 = 18% a step) plain to see."""
+    scalar = lambda n: "lambdas" in n or n == "skip_weights"  # noqa: E731
+    model = check_adam_steps(["--cautious_wd=true", "--adam_cautious_wd=0.5", "--scalar_adam_beta1=0.9",
+                              "--scalar_adam_beta2=0.99"], recipe_lr, lambda n: 0.0,
+                             expected_betas=lambda n: (0.9, 0.99) if scalar(n) else (0.8, 0.95),
+                             expected_cautious_wd=lambda n: 0.0 if scalar(n) else 0.5)
+    # and the decay did act: the same steps without it end elsewhere
+    plain = check_adam_steps(["--scalar_adam_beta1=0.9", "--scalar_adam_beta2=0.99"], recipe_lr, lambda n: 0.0,
+                             expected_betas=lambda n: (0.9, 0.99) if scalar(n) else (0.8, 0.95))
+    decayed = (model.embed.weight.float().abs() < plain.embed.weight.float().abs()).float().mean()
+    assert 0.2 < decayed < 0.8, decayed  # the embedding weights whose sign the update shared shrank, not the rest
+
+
 def test_adam_step_really_moves_parameters():
     """Guards the reference test against a vacuous pass: one step changes every parameter with a gradient."""
     args, model, opt = small_model()
     before = params(model)
     grads = backward(model, opt, args, seed=3)
-    opt.step(1.0, 0.85)
+    opt.step(1.0, 0.85, 1)
     after = params(model)
     for n in before:
         if grads[n].abs().sum() > 0:
@@ -213,7 +337,7 @@ def test_grouping_speedrun_shape():
     with torch.device("meta"):
         args = T.parse_args(["--preset=speedrun"], False)
         model = T.GPT(args)
-    opt = T.build_optimizers(model, args, rank=0, world_size=1, accum=1)
+    opt = T.build_optimizers(model, args, rank=0, world_size=1)
     names = {p: n for n, p in model.named_parameters()}
     muon = [names[p] for b in opt.muon.buckets for p in b.real]
     adam = list(opt.adam.names)
@@ -235,7 +359,7 @@ def test_grouping_without_muon():
     with torch.device("meta"):
         args = T.parse_args(["--preset=speedrun", "--muon=false"], False)
         model = T.GPT(args)
-    opt = T.build_optimizers(model, args, rank=0, world_size=1, accum=1)
+    opt = T.build_optimizers(model, args, rank=0, world_size=1)
     assert opt.muon is None
     assert sorted(opt.adam.names) == sorted(n for n, _ in model.named_parameters())
     lrs = {name: g["lr"] for name, g in zip(opt.adam.names, opt.adam.adam.param_groups)}
@@ -256,7 +380,7 @@ def test_state_dict_round_trip_restores_identical_steps():
     args, model, opt = small_model()
     for step in range(2):
         backward(model, opt, args, seed=20 + step)
-        opt.step(1.0, 0.9)
+        opt.step(1.0, 0.9, 1)
         model.zero_grad(set_to_none=False)
     checkpoint = saved({"model": model.state_dict(),
                         "opt": {k: T.local_part(v) for k, v in opt.state_tensors().items()}})
@@ -271,7 +395,7 @@ def test_state_dict_round_trip_restores_identical_steps():
 
     def third_step(m, o):
         backward(m, o, args, seed=30)
-        o.step(0.7, 0.95)
+        o.step(0.7, 0.95, 1)
         return params(m)
 
     expected = third_step(model, opt)

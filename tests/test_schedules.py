@@ -186,12 +186,91 @@ def test_other_invalid_settings_refused(arg, match):
 @pytest.mark.parametrize("world_size, accum", [(1, 8), (2, 4), (4, 2), (8, 1)])
 def test_gradient_accumulation_keeps_global_batch(world_size, accum):
     args = speedrun()
-    assert T.gradient_accumulation(args, world_size) == accum
-    assert accum * world_size * args.seq_len == args.batch_tokens
+    batches = T.batch_schedule(args, world_size)
+    assert batches.stage_accum == (accum,) and batches.stage_tokens == (args.batch_tokens,)
+    assert all(batches.accum(s) * world_size * args.seq_len == args.batch_tokens for s in (0, 885, 1770))
+    assert batches.lr_scale(0) == 1.0 == batches.lr_scale(1770)
 
 
 @pytest.mark.parametrize("world_size", [3, 5, 16])
 def test_gradient_accumulation_refuses_impossible_world_size(world_size):
     with pytest.raises(T.UsageError) as e:
-        T.gradient_accumulation(speedrun(), world_size)
+        T.batch_schedule(speedrun(), world_size)
     assert f"world size {world_size}" in str(e.value) and "[1, 2, 4, 8]" in str(e.value)
+
+
+# ----------------------------------------------------------------------------- batch-size schedule (recipe v2)
+
+def record_stage(step, num_iterations):
+    """2025-11-29_BatchSizeSchedule: three equal thirds of training, the last step in the last third."""
+    return min(int(3 * step / num_iterations), 2)
+
+
+@pytest.mark.parametrize("world_size, accums", [(8, (1, 2, 3)), (4, (2, 4, 6)), (1, (8, 16, 24))])
+def test_v2_speedrun_batch_stages_are_the_records_131k_262k_393k(world_size, accums):
+    args = speedrun("--recipe=v2")
+    assert args.seq_len == 16 * 1024 and args.batch_schedule == "1/3,2/3,1"
+    batches = T.batch_schedule(args, world_size)
+    assert batches.stage_tokens == (131072, 262144, 393216)
+    assert batches.stage_accum == accums
+    n = args.num_iterations
+    for step in range(n + 1):
+        stage = record_stage(step, n)
+        assert batches.tokens(step) == (131072, 262144, 393216)[stage], step
+        assert batches.accum(step) * world_size * args.seq_len == batches.tokens(step)
+    assert [batches.first_step(i) for i in range(3)] == [0, 590, 1180]  # 1770 / 3 = 590 steps per stage
+    assert (batches.tokens(589), batches.tokens(590), batches.tokens(1179), batches.tokens(1180)) == \
+        (131072, 262144, 262144, 393216)
+    # the record scales every lr by (batch / final batch) ** 0.6
+    assert batches.lr_scale(0) == pytest.approx((1 / 3) ** 0.6) and batches.lr_scale(600) == pytest.approx((2 / 3) ** 0.6)
+    assert batches.lr_scale(1770) == 1.0
+    assert batches.tokens_before(591) == 590 * 131072 + 262144
+    assert batches.tokens_before(n) == 590 * (131072 + 262144 + 393216)
+
+
+def test_batch_stages_of_uneven_length_follow_the_same_rule():
+    args = T.parse_args(["--preset=cpu", "--batch_tokens=4096", "--batch_schedule=1/4,1/2,3/4,1",
+                         "--num_iterations=10"], False)
+    batches = T.batch_schedule(args, 1)
+    got = [batches.tokens(s) for s in range(11)]
+    expect = [(1024, 2048, 3072, 4096)[min(4 * s // 10, 3)] for s in range(11)]  # floor(4 s / 10)
+    assert got == expect == [1024] * 3 + [2048] * 2 + [3072] * 3 + [4096] * 3
+    assert [batches.first_step(i) for i in range(4)] == [0, 3, 5, 8]
+    assert sum(got[:10]) == batches.tokens_before(10) == 3 * 1024 + 2 * 2048 + 3 * 3072 + 2 * 4096
+
+
+@pytest.mark.parametrize("world_size, valid", [(3, "[1, 2, 4, 8]"), (16, "[1, 2, 4, 8]")])
+def test_a_batch_schedule_the_world_size_cannot_split_is_refused_with_the_sizes_that_work(world_size, valid):
+    with pytest.raises(T.UsageError) as e:
+        T.batch_schedule(speedrun("--recipe=v2"), world_size)
+    message = str(e.value)
+    assert f"world size {world_size} cannot split the --batch_schedule stages 131072/262144/393216 tokens" in message
+    assert f"world sizes that work: {valid}" in message and "\n" not in message
+    cpu = T.parse_args(["--recipe=v2"], False)  # 2, 3, 4 sequences of 1024: only 1 rank divides all three
+    with pytest.raises(T.UsageError, match=r"world size 2 cannot split .* 2048/3072/4096 .* work: \[1\]"):
+        T.batch_schedule(cpu, 2)
+
+
+@pytest.mark.parametrize("flags, match", [
+    (["--batch_tokens=4096", "--batch_schedule=1/3,1"], "stage 1/3 of --batch_tokens=4096 is 1365.33 tokens"),
+    (["--batch_tokens=4096", "--batch_schedule=1/8,1"], "stage 1/8 of --batch_tokens=4096 is 512 tokens, not whole "
+                                                       "sequences of --seq_len=1024"),
+    (["--batch_schedule=1/2,0"], "bad value '1/2,0' for --batch_schedule"),
+])
+def test_a_stage_that_is_not_whole_sequences_is_refused_at_start_up(flags, match):
+    with pytest.raises(T.UsageError, match=match):
+        T.parse_args(["--preset=cpu"] + flags, False)
+
+
+def test_recipe_v2_switches_every_technique_on_and_each_flag_switches_one_off():
+    ref, v2 = speedrun(), speedrun("--recipe=v2")
+    assert ref == T.Hyperparameters(preset="speedrun")  # the reference stays the dataclass defaults
+    on = {"polar_express": True, "normuon": True, "cautious_wd": True, "bos_align": True, "doc_len_cap": 2048,
+          "batch_schedule": "1/3,2/3,1", "scalar_adam_beta1": 0.9, "scalar_adam_beta2": 0.99}
+    assert {k: getattr(v2, k) for k in on} == on and all(getattr(ref, k) != v for k, v in on.items())
+    off = speedrun("--recipe=v2", "--normuon=false")
+    assert not off.normuon and off.polar_express and off.cautious_wd  # one technique off, the rest stay
+    cpu = T.parse_args(["--recipe=v2"], False)
+    assert (cpu.batch_tokens, cpu.batch_schedule, cpu.bos_align) == (4096, "1/2,3/4,1", False)
+    with pytest.raises(T.UsageError, match="unknown recipe 'v3'; valid recipes: reference, v2"):
+        T.parse_args(["--recipe=v3"], False)

@@ -63,15 +63,15 @@ DRIVER = textwrap.dedent('''
     import train_gpt as T
     fault = sys.argv.pop(1)
     if fault == "missing_average":
-        build = T.build_optimizers
-        def no_average(*a, **k):
-            opt = build(*a, **k)
-            opt.scale *= a[3]  # forget to divide the reduce-scattered sum by the world size
-            return opt
-        T.build_optimizers = no_average
+        step = T.Optimizers.step
+        def no_average(self, lr_mult, momentum, accum):  # forget to divide the summed gradients by the world size
+            self.world_size, world_size = 1, self.world_size
+            step(self, lr_mult, momentum, accum)
+            self.world_size = world_size
+        T.Optimizers.step = no_average
     elif fault == "wrong_shard":
-        def same_data_everywhere(self):
-            chunks = [self.stream.take(self.seq_len, self.bos_align) for _ in range(self.world_size * self.accum)]
+        def same_data_everywhere(self, accum):
+            chunks = [self.stream.take(self.seq_len, self.bos_align) for _ in range(self.world_size * accum)]
             return [T.to_device(chunks[i], self.device) for i in range(0, len(chunks), self.world_size)]
         T.DistributedTokenLoader.next_batch = same_data_everywhere
     sys.exit(T.main())
@@ -92,11 +92,14 @@ def losses_with(tmp_path, tiny, nproc, fault=None):
 
 
 def optimizer_state(tmp_path, run_id, world_size):
-    """Adam masters and moments and Muon momenta after the run, as whole tensors (DCP joins the shards)."""
+    """Adam masters and moments, Muon momenta and NorMuon's second moments (when on) after the run, as whole
+    tensors (DCP joins the shards)."""
     folder = tmp_path / run_id / "step_000004"
     state = {f"adam {name}": t.float() for name, t in T.read_checkpoint_tensors(folder, "adam/").items()
              if not name.endswith("/step")}
-    return {**state, **{f"muon {name}": t.float() for name, t in T.read_checkpoint_tensors(folder, "muon/").items()}}
+    for prefix in ("muon/", "normuon/"):
+        state.update({f"{prefix}{name}": t.float() for name, t in T.read_checkpoint_tensors(folder, prefix).items()})
+    return state
 
 
 def worst_state_error(a, b):
@@ -116,6 +119,36 @@ def test_one_and_two_ranks_give_the_same_losses_and_faults_are_caught(tmp_path, 
     assert max(abs(broken[s] - one[s]) for s in one) > 10 * WORLD_SIZE_TOLERANCE, (one, broken)
     losses_with(tmp_path, tiny, 2, "missing_average")
     assert worst_state_error(optimizer_state(tmp_path, "ws2missing_average", 2), state_one) > 0.5
+
+
+# Every recipe-v2 switch at once on a tiny shape: a 2-stage batch ramp (2 then 4 sequences of 256), capped
+# documents packed from their starts, Polar Express, NorMuon, cautious decay, the scalars' own betas.
+V2_TINY = ["--recipe=v2", "--batch_tokens=1024", "--batch_schedule=1/2,1", "--bos_align=true", "--doc_len_cap=64"]
+
+
+def test_recipe_v2_gives_the_same_losses_and_state_on_one_and_two_ranks(tmp_path, tiny):
+    sys.path.insert(0, str(REPO / "bench"))
+    import ablation
+    runs = {}
+    for nproc in (1, 2):
+        result = run_trainer(tiny + V2_TINY + [f"--run_id=v2ws{nproc}", "--val_every=0", "--checkpoint_final=true"],
+                             tmp_path, nproc=nproc)
+        assert result.returncode == 0, result.stderr[-2000:]
+        runs[nproc] = train_losses((tmp_path / f"v2ws{nproc}.txt").read_text())
+        summary = json.loads((tmp_path / f"v2ws{nproc}.json").read_text())
+        assert summary["tokens"] == 2 * 512 + 2 * 1024  # stage 0 for steps 0-1, stage 1 for steps 2-3
+        assert summary["runtime"]["batch_stages"] == [[0, 512, 2 // nproc], [2, 1024, 4 // nproc]]
+        # the ablation reads the stages back to put validation points on a token axis
+        assert [ablation.tokens_before(summary, s) for s in range(5)] == [0, 512, 1024, 2048, 3072]
+    assert sorted(runs[1]) == sorted(runs[2]) == [1, 2, 3, 4]
+    assert all(abs(runs[1][s] - runs[2][s]) < WORLD_SIZE_TOLERANCE for s in runs[1]), runs
+    one, two = optimizer_state(tmp_path, "v2ws1", 1), optimizer_state(tmp_path, "v2ws2", 2)
+    assert any(k.startswith("normuon/") for k in one)
+    squares = lambda state, keep: {k: v for k, v in state.items()  # noqa: E731
+                                   if (k.startswith("normuon/") or k.endswith("exp_avg_sq")) == keep}
+    assert worst_state_error(squares(two, False), squares(one, False)) < STATE_TOLERANCE
+    # mean squares of bf16-noisy updates: a relative error of e in the update is 2e in its square
+    assert worst_state_error(squares(two, True), squares(one, True)) < 2 * STATE_TOLERANCE
 
 
 @pytest.mark.parametrize("flag, message", [
