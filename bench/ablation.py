@@ -82,7 +82,7 @@ V2_PART1_VARIANTS: dict[str, list[str]] = {
 V2_PART1_NOTE = ("v2_part1 = --recipe=v2 on the cpu preset: Polar Express, NorMuon, cautious weight decay "
                  "(Muon and Adam), scalar Adam betas (0.9, 0.99), and the batch ramp 2048 -> 3072 -> 4096 tokens "
                  "with lrs scaled by (batch / 4096) ** 0.6 and cooldown_frac 0.55. Document alignment is not in "
-                 "the cpu recipe (the bundled sample's documents are ~7.8K tokens long; see RECIPES in "
+                 "the cpu recipe (the bundled sample's documents are ~7.8K tokens long (median); see RECIPES in "
                  "train_gpt.py). Variants with the batch ramp train more steps so that every run sees the same "
                  "tokens.")
 
