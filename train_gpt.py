@@ -9,6 +9,10 @@ gradient loop.
     torchrun --standalone --nproc_per_node=8 train_gpt.py          # speedrun preset on GPUs
     python train_gpt.py                                            # cpu preset, bundled sample
     python train_gpt.py --preset=cpu --num_iterations=20 --seed=1  # any hyperparameter as --name=value
+    torchrun --standalone --nproc_per_node=8 train_gpt.py --recipe=v2  # the later records' techniques
+
+--recipe=reference (the default) keeps the 2025-01-26 math bit for bit; --recipe=v2 switches on later
+records' techniques (RECIPES), each its own hyperparameter so that any one can be switched off.
 
 Sections, in order: configuration, distributed setup, data, model, optimizers,
 schedules, run log and accounting, checkpoints, training loop.
