@@ -136,12 +136,26 @@ class Hyperparameters:
     n_head: int = 6  # R: 6 heads of 128 (GPT-2 small has 12 of 64)
     head_dim: int = 128  # R: wide heads, half of each rotated by rotary
     attn_scale: float = 0.12  # R: fixed attention temperature instead of 1/sqrt(128)
-    logit_softcap: float = 30.0  # R: 30 * sigmoid(logits / 7.5); 0 turns the softcap off
+    logit_softcap: float = 30.0  # R: 30 * sigmoid(logits / 7.5); 0 turns the softcap (and the rescale below) off
     value_embeds: bool = True  # R: three value-embedding tables (value residual, arXiv 2410.17897)
     unet_skips: bool = True  # R: encoder layers feed the mirrored decoder layers with learned weights
     zero_init: bool = True  # R: zero-init output projections and the head (initial loss ln(50304))
     qk_norm: bool = True  # R: rms_norm of queries and keys before rotary
     mlp_act: str = "relu2"  # R: relu(x)^2 (Primer, arXiv 2109.08668) | gelu
+    # model, recipe v2 (each off by default, which is the reference's math)
+    bigram_vocab_size: int = 0  # 2026-01-19_BigramHashEmbedding: rows of a hashed (previous, current) token table added to every layer's input; 0: off
+    bigram_dim: int = 0  # 2026-05-20_BigramsSignTrick: the table's width, added to the stream's first dims; 0: model_dim
+    bigram_sign: bool = False  # same record: a second hash picks a fixed random +-1 vector per bigram, so rows shared by several bigrams interfere less
+    smear: bool = False  # 2025-09-18_Smear: a gated share of the previous token's embedding, within the document
+    attn_gate: bool = False  # 2025-08-23_SparseAttnGate: a sigmoid gate per head on the attention output
+    ve_gates: bool = False  # 2025-12-29_VeSkipGates: a sigmoid gate per head on the value embeddings
+    skip_gates: bool = False  # same record: a 2 * sigmoid gate on each U-net skip, read from the embedding x0
+    backout: bool = False  # 2025-10-04_Backout: subtract a learned share of the stream after 2/3 of the layers before the head
+    key_offset: bool = False  # 2025-12-14_PartialKeyOffset: long-window keys' stationary rotary dims come from the previous token
+    paired_heads: bool = False  # 2026-01-07_PairedHeadAttention: head pairs attend as one head over interleaved positions
+    logit_offset: float = 0.0  # 2025-12-26_LogitRescale: softcap * sigmoid((logits + offset) / logit_temperature)
+    logit_temperature: float = 7.5  # R: 30 * sigmoid(logits / 7.5)
+    mtp_tokens: int = 1  # 2025-12-22_MultiTokenPrediction: the training loss also predicts the next N-1 tokens after the next; 1: off
     # optimizers
     muon: bool = True  # R: Muon for hidden matrices; False: Adam for them too (ablation)
     muon_lr: float = 0.05  # R
@@ -217,17 +231,25 @@ V2_COMMON = dict(
     batch_schedule="1/3,2/3,1", cooldown_frac=0.55,  # 2025-11-29_BatchSizeSchedule
     polar_express=True, normuon=True, cautious_wd=True,
     scalar_adam_beta1=0.9, scalar_adam_beta2=0.99,  # 2025-12-21_SmoothedScalars
+    bigram_sign=True,  # 2026-05-20_BigramsSignTrick
+    smear=True, attn_gate=True, ve_gates=True, skip_gates=True, backout=True, key_offset=True, paired_heads=True,
+    logit_softcap=23.0, logit_offset=5.0,  # 2025-12-26_LogitRescale
+    mtp_tokens=3,  # 2025-12-22_MultiTokenPrediction
 )
 RECIPES: dict[str, dict[str, dict]] = {
     "reference": {preset: {} for preset in PRESETS},
     "v2": {
         # 16K-token sequences, so that each stage is whole sequences on 8 GPUs (1, 2, 3 micro-steps);
         # documents cut at 2048 tokens as the record's max_seq_len (2025-09-03_FA3).
-        "speedrun": {**V2_COMMON, "bos_align": True, "doc_len_cap": 2048, "seq_len": 16 * 1024},
+        # 2026-05-20_BigramsSignTrick: 15 x 50304 bigram rows of 192 dims (a quarter of the stream).
+        "speedrun": {**V2_COMMON, "bos_align": True, "doc_len_cap": 2048, "seq_len": 16 * 1024,
+                     "bigram_vocab_size": 15 * 50304, "bigram_dim": 192},
         # 4 sequences of 1024 at the end, so the ramp is 2 -> 3 -> 4 (thirds of 4 are not whole sequences).
         # No document alignment: the bundled sample's documents are ~7.8K tokens long (median), so aligned
         # 1024-token sequences would drop ~90% of its text and repeat the rest within a benchmark run.
-        "cpu": {**V2_COMMON, "batch_tokens": 4096, "batch_schedule": "1/2,3/4,1"},
+        # Bigram rows: the sample has about 10^5 distinct bigrams, so 5 x 50304 rows of a quarter of the stream.
+        "cpu": {**V2_COMMON, "batch_tokens": 4096, "batch_schedule": "1/2,3/4,1",
+                "bigram_vocab_size": 5 * 50304, "bigram_dim": 64},
     },
 }
 
@@ -361,7 +383,12 @@ FLAG_RULES: dict[str, Rule] = {
     "vocab_size": integer(1), "n_layer": integer(2), "model_dim": integer(1), "n_head": integer(1),
     "head_dim": integer(4), "attn_scale": number(0.0, lo_open=True), "logit_softcap": number(0.0),
     "value_embeds": ANY_BOOL, "unet_skips": ANY_BOOL, "zero_init": ANY_BOOL, "qk_norm": ANY_BOOL,
-    "mlp_act": one_of("relu2", "gelu"), "muon": ANY_BOOL, "muon_lr": LR, "muon_momentum": BETA,
+    "mlp_act": one_of("relu2", "gelu"), "bigram_vocab_size": integer(0), "bigram_dim": integer(0),
+    "bigram_sign": ANY_BOOL,
+    "smear": ANY_BOOL, "attn_gate": ANY_BOOL, "ve_gates": ANY_BOOL, "skip_gates": ANY_BOOL, "backout": ANY_BOOL,
+    "key_offset": ANY_BOOL, "paired_heads": ANY_BOOL, "logit_offset": number(-math.inf, lo_open=True, hi_open=True),
+    "logit_temperature": number(0.0, lo_open=True), "mtp_tokens": integer(1),
+    "muon": ANY_BOOL, "muon_lr": LR, "muon_momentum": BETA,
     "muon_momentum_start": BETA, "muon_momentum_warmup_steps": integer(0), "ns_steps": integer(1),
     "polar_express": ANY_BOOL, "normuon": ANY_BOOL, "normuon_beta2": BETA, "cautious_wd": ANY_BOOL,
     "muon_cautious_wd": number(0.0), "adam_cautious_wd": number(0.0),
@@ -386,6 +413,35 @@ def check_flag_ranges(args: Hyperparameters) -> None:
         value = getattr(args, name)
         if not rule.ok(value):
             raise UsageError(f"bad value {value!r} for --{name}; valid: {rule.valid}")
+
+
+def check_model_switches(args: Hyperparameters) -> None:
+    """Refuses, in one line, recipe v2's model switches that conflict with each other or with the shape."""
+    gates = [name for name in ("smear", "attn_gate", "ve_gates", "skip_gates") if getattr(args, name)]
+    conflicts = [
+        (args.ve_gates and not args.value_embeds, "--ve_gates=true gates the value embeddings, which "
+         "--value_embeds=false removes; pass --ve_gates=false or --value_embeds=true"),
+        (args.skip_gates and not args.unet_skips, "--skip_gates=true gates the U-net skips, which "
+         "--unet_skips=false removes; pass --skip_gates=false or --unet_skips=true"),
+        (args.bigram_sign and not args.bigram_vocab_size, "--bigram_sign=true signs the bigram embedding, which "
+         "--bigram_vocab_size=0 turns off; pass --bigram_sign=false or a table size"),
+        (args.bigram_vocab_size == 1, "--bigram_vocab_size=1 leaves no row besides the one kept for document "
+         "starts; pass 0 (off) or at least 2"),
+        (args.bigram_dim > args.model_dim, f"--bigram_dim={args.bigram_dim} is wider than the stream it is added "
+         f"to (--model_dim={args.model_dim}); pass at most that, or 0 for the full width"),
+        (args.paired_heads and args.n_head % 2, f"--paired_heads=true pairs heads, so --n_head={args.n_head} "
+         "must be even; pass --paired_heads=false or an even --n_head"),
+        (args.paired_heads and not any(LayerRoles.for_depth(args.n_layer, paired_heads=True).paired_heads),
+         f"--paired_heads=true pairs the short-window layers, and --n_layer={args.n_layer} has none; pass "
+         "--paired_heads=false or --n_layer=4 or more"),
+        (bool(gates) and args.model_dim < GATE_DIMS, f"--{gates[0] if gates else ''}=true reads the stream's "
+         f"first {GATE_DIMS} dims, more than --model_dim={args.model_dim}; switch the gates off or widen the model"),
+        (args.logit_offset != 0 and args.logit_softcap == 0, f"--logit_offset={args.logit_offset} shifts the "
+         "logits inside the softcap, which --logit_softcap=0 turns off; pass --logit_offset=0 or a softcap"),
+    ]
+    for conflict, reason in conflicts:
+        if conflict:
+            raise UsageError(reason)
 
 
 def validate_args(args: Hyperparameters) -> None:
@@ -422,6 +478,7 @@ def validate_args(args: Hyperparameters) -> None:
     if not args.muon and (args.normuon or args.polar_express):
         raise UsageError("--normuon and --polar_express change Muon's update, and --muon=false turns Muon off; "
                          "pass --muon=true or switch them off")
+    check_model_switches(args)
     if args.resume == "auto" and not args.run_id:
         raise UsageError("--resume=auto needs --run_id=NAME: a restarted run finds its checkpoints under "
                          "log_dir/NAME (and never another run's)")
@@ -727,23 +784,33 @@ class LayerRoles:
     long_window: tuple[bool, ...]
     n_encoder: int
     n_value_embeds: int
+    paired_heads: tuple[bool, ...]  # attention layers whose head pairs attend as one (PAIRED_LAYERS)
+    key_offset: tuple[bool, ...]  # attention layers whose keys take the previous token's stationary dims
+    backout_layer: int | None  # the stream entering this layer is backed out before the head
 
     VALUE_EMBED_TABLES = 3  # R: three value-embedding tables, read by the first three and the last three layers
     LONG_WINDOW_EVERY = 4  # R: encoder layers 0, 4, ... have the long window; the decoder mirrors the encoder
     NO_ATTENTION_OFFSET = 1  # R: the layer just after the middle (7 of 12) has no attention, only its MLP
+    PAIRED_LAYERS = 4  # 2026-01-07_PairedHeadAttention: four short-window layers (0, 2, 5, 9 of its 11); the earliest here
+    BACKOUT_FRACTION = Fraction(3, 4)  # 2025-10-04_Backout: the stream after block 8 of 12 (0-based), entering 9
 
     @staticmethod
-    def for_depth(n_layer: int, value_embeds: bool = True) -> "LayerRoles":
+    def for_depth(n_layer: int, value_embeds: bool = True, paired_heads: bool = False, key_offset: bool = False,
+                  backout: bool = False) -> "LayerRoles":
         n_enc = n_layer // 2
         n_ve = min(LayerRoles.VALUE_EMBED_TABLES, n_enc) if value_embeds else 0
         ve: list[int | None] = [None] * n_layer
         for i in range(n_ve):
             ve[i] = ve[n_layer - n_ve + i] = i
         encoder_long = [i % LayerRoles.LONG_WINDOW_EVERY == 0 for i in range(n_enc)]
-        return LayerRoles(value_embed=tuple(ve),
-                          attention=tuple(i != n_enc + LayerRoles.NO_ATTENTION_OFFSET for i in range(n_layer)),
-                          long_window=tuple(encoder_long + encoder_long[::-1]),
-                          n_encoder=n_enc, n_value_embeds=n_ve)
+        attention = [i != n_enc + LayerRoles.NO_ATTENTION_OFFSET for i in range(n_layer)]
+        long_window = encoder_long + encoder_long[::-1]
+        short = [i for i in range(n_layer) if attention[i] and not long_window[i]][:LayerRoles.PAIRED_LAYERS]
+        return LayerRoles(value_embed=tuple(ve), attention=tuple(attention), long_window=tuple(long_window),
+                          n_encoder=n_enc, n_value_embeds=n_ve,
+                          paired_heads=tuple(paired_heads and i in short for i in range(n_layer)),
+                          key_offset=tuple(key_offset and attention[i] and long_window[i] for i in range(n_layer)),
+                          backout_layer=int(n_layer * LayerRoles.BACKOUT_FRACTION) if backout else None)
 
 
 def document_ids(tokens: Tensor) -> Tensor:
@@ -995,6 +1062,17 @@ class Rotary(nn.Module):
         return torch.cat((x1 * cos + x2 * sin, x2 * cos - x1 * sin), dim=-1).type_as(x)
 
 
+GATE_DIMS = 12  # 2025-08-23_SparseAttnGate, 2025-09-18_Smear, 2025-12-29_VeSkipGates: gates read 12 dims
+NEUTRAL_GATE_SCALE = 2.0  # 2025-12-29_VeSkipGates: 2 * sigmoid, so a zero-initialised gate passes its input as is
+# Gate lrs as fractions of scalar_lr (0.04 = 5 x the record's Adam lr 0.008): 2025-12-29_VeSkipGates has the
+# smear gate at 0.01 x and the skip gate at 0.05 x that Adam lr, 2026-05-20_BigramsSignTrick the others at 1 x.
+GATE_LR_SCALE = {"smear_gate": 0.01 / 5, "skip_gate": 0.05 / 5, "attn_gate": 1 / 5, "ve_gate": 1 / 5}
+BIGRAM_HASH = (36313, 27191)  # 2026-01-19_BigramHashEmbedding: multipliers of the current and previous token
+BIGRAM_SIGN_ROWS = 8192  # 2026-05-20_BigramsSignTrick: random +-1 vectors, picked by (previous xor current) % 8192
+BIGRAM_LAMBDA_INIT = 0.05  # same record: every layer adds 0.05 x the bigram embedding at first
+BACKOUT_LAMBDA_INIT = 0.5  # 2025-10-04_Backout
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """What the modules are built from: the model's share of the hyperparameters."""
@@ -1011,6 +1089,18 @@ class ModelConfig:
     value_embeds: bool
     unet_skips: bool
     logit_softcap: float
+    logit_temperature: float
+    logit_offset: float
+    bigram_vocab_size: int
+    bigram_dim: int
+    bigram_sign: bool
+    smear: bool
+    attn_gate: bool
+    ve_gates: bool
+    skip_gates: bool
+    backout: bool
+    key_offset: bool
+    paired_heads: bool
 
     @staticmethod
     def of(args: Hyperparameters) -> "ModelConfig":
@@ -1019,27 +1109,78 @@ class ModelConfig:
                            **{name: getattr(args, name) for name in names})
 
 
+def sigmoid_gate(x: Tensor, weight: Tensor) -> Tensor:
+    """sigmoid(x[..., :GATE_DIMS] @ weight.T): one gate per row of weight, read from the stream's first dims."""
+    return torch.sigmoid(F.linear(x[..., :GATE_DIMS], weight.type_as(x)))
+
+
+def offset_stationary_keys(k: Tensor, doc_start: Tensor) -> Tensor:
+    """2025-12-14_PartialKeyOffset: each key's stationary rotary dims (D/4..D/2 and 3D/4..D, which rotary
+    leaves unrotated) are replaced by the previous token's, so one key can answer for two positions (1-layer
+    induction). A document's first token gets zeros there: nothing crosses a document start."""
+    previous = F.pad(k[:, :-1], (0, 0, 0, 0, 1, 0)) * ~doc_start.view(1, -1, 1, 1)
+    dim = torch.arange(k.size(-1), device=k.device)
+    stationary = dim % (k.size(-1) // 2) >= k.size(-1) // 4
+    return torch.where(stationary, previous, k)
+
+
+def pair_heads(t: Tensor) -> Tensor:
+    """(B, T, H, D) -> (B, 2T, H/2, D): heads 2p and 2p+1 become one head over interleaved positions
+    (2026-01-07_PairedHeadAttention): position 2i holds token i's head 2p, position 2i+1 its head 2p+1."""
+    B, T, H, D = t.shape
+    return t.view(B, T, H // 2, 2, D).transpose(2, 3).reshape(B, 2 * T, H // 2, D)
+
+
+def unpair_heads(t: Tensor) -> Tensor:
+    """The inverse of pair_heads."""
+    B, T2, H2, D = t.shape
+    return t.view(B, T2 // 2, 2, H2, D).transpose(2, 3).reshape(B, T2 // 2, 2 * H2, D)
+
+
+def paired_tokens(tokens: Tensor) -> Tensor:
+    """A token sequence whose masks (document ids, causality, windows) are those of pair_heads' positions:
+    token i at 2i and a non-document-start token at 2i+1, so both copies of i share i's document."""
+    second = torch.where(tokens == EOT_TOKEN, 0, tokens)
+    return torch.stack([tokens, second], dim=1).flatten()
+
+
 class CausalSelfAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, uses_value_embed: bool, backend):
+    def __init__(self, cfg: ModelConfig, uses_value_embed: bool, backend, paired: bool = False,
+                 key_offset: bool = False):
         super().__init__()
         dim, hdim = cfg.model_dim, cfg.n_head * cfg.head_dim
         self.n_head, self.head_dim, self.scale, self.qk_norm = cfg.n_head, cfg.head_dim, cfg.attn_scale, cfg.qk_norm
+        self.paired, self.key_offset = paired, key_offset
         self.backend = backend  # bound here; GPT.decode swaps in its KV cache for the duration of a call
         bound = math.sqrt(3) * 0.5 / math.sqrt(dim)
         self.qkv_w = nn.Parameter(torch.empty(3, hdim, dim).uniform_(-bound, bound))  # Q, K, V kept apart for Muon
         self.lambdas = nn.Parameter(torch.tensor([0.5, 0.5] if uses_value_embed else [0.5]))
-        self.rotary = Rotary(cfg.head_dim, cfg.max_seq_len)
+        # paired heads rotate at their interleaved positions, so a pair's two heads sit half a token apart
+        self.rotary = Rotary(cfg.head_dim, cfg.max_seq_len * (2 if paired else 1))
         self.c_proj = CastedLinear(hdim, dim, zero_init=cfg.zero_init)
+        self.attn_gate = nn.Parameter(torch.zeros(cfg.n_head, GATE_DIMS)) if cfg.attn_gate else None
+        self.ve_gate = nn.Parameter(torch.zeros(cfg.n_head, GATE_DIMS)) if cfg.ve_gates and uses_value_embed else None
 
-    def forward(self, x: Tensor, ve: Tensor | None, mask, offset: int = 0) -> Tensor:
+    def forward(self, x: Tensor, ve: Tensor | None, mask, offset: int = 0, doc_start: Tensor | None = None) -> Tensor:
         B, T = x.shape[:2]
         qkv = F.linear(x, self.qkv_w.flatten(end_dim=1).type_as(x)).view(B, T, 3 * self.n_head, self.head_dim)
         q, k, v = qkv.chunk(3, dim=-2)
         if self.qk_norm:
             q, k = rms_norm(q), rms_norm(k)
-        q, k = self.rotary(q, offset), self.rotary(k, offset)
+        if self.ve_gate is not None:
+            ve = ve.view_as(v) * (NEUTRAL_GATE_SCALE * sigmoid_gate(x, self.ve_gate))[..., None]
         v = self.lambdas[0] * v if ve is None else self.lambdas[0] * v + self.lambdas[1] * ve.view_as(v)
+        if self.paired:
+            q, k, v = pair_heads(q), pair_heads(k), pair_heads(v)
+            offset = 2 * offset
+        q, k = self.rotary(q, offset), self.rotary(k, offset)
+        if self.key_offset:
+            k = offset_stationary_keys(k, doc_start)
         y = self.backend.attend(q, k, v, mask, self.scale)
+        if self.paired:
+            y = unpair_heads(y)
+        if self.attn_gate is not None:
+            y = y * sigmoid_gate(x, self.attn_gate)[..., None]
         return self.c_proj(y.reshape(B, T, -1))
 
 
@@ -1055,21 +1196,63 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig, has_attention: bool, uses_value_embed: bool, backend):
+    def __init__(self, cfg: ModelConfig, layer: int, roles: LayerRoles, backend):
         super().__init__()
-        self.attn = CausalSelfAttention(cfg, uses_value_embed, backend) if has_attention else None
+        self.attn = CausalSelfAttention(cfg, roles.value_embed[layer] is not None, backend,
+                                        paired=roles.paired_heads[layer], key_offset=roles.key_offset[layer]) \
+            if roles.attention[layer] else None
         self.mlp = MLP(cfg)
         self.lambdas = nn.Parameter(torch.tensor([1.0, 0.0]))  # mix of the stream and the embedding x0
+        self.bigram_lambda = nn.Parameter(torch.tensor([BIGRAM_LAMBDA_INIT])) if cfg.bigram_vocab_size else None
 
-    def forward(self, x: Tensor, x0: Tensor, ve: Tensor | None, mask, offset: int = 0) -> Tensor:
+    def forward(self, x: Tensor, x0: Tensor, ve: Tensor | None, mask, offset: int = 0,
+                doc_start: Tensor | None = None, bigram: Tensor | None = None) -> Tensor:
         x = self.lambdas[0] * x + self.lambdas[1] * x0
+        if bigram is not None:
+            x = x + self.bigram_lambda[0] * bigram  # [0]: a 0-dim factor keeps x in bf16
         if self.attn is not None:
-            x = x + self.attn(rms_norm(x), ve, mask, offset)
+            x = x + self.attn(rms_norm(x), ve, mask, offset, doc_start)
         return x + self.mlp(rms_norm(x))
 
 
 def next_multiple(n: float, k: int) -> int:
     return int(math.ceil(n / k) * k)
+
+
+def bigram_rows(tokens: Tensor, rows: int) -> Tensor:
+    """2026-01-19_BigramHashEmbedding: the table row of each (previous, current) token pair,
+    (36313 * current) xor (27191 * previous) mod (rows - 1). Row rows - 1 is kept for a document's first token
+    (the record keeps it for the sequence's first only): a pair never spans two documents."""
+    t = tokens.to(torch.int64)
+    previous = F.pad(t[:-1], (1, 0))
+    row = torch.bitwise_xor(BIGRAM_HASH[0] * t, BIGRAM_HASH[1] * previous) % (rows - 1)
+    first = tokens == EOT_TOKEN
+    first[0] = True
+    return torch.where(first, rows - 1, row)
+
+
+def bigram_sign_table(dim: int) -> Tensor:
+    """2026-05-20_BigramsSignTrick: BIGRAM_SIGN_ROWS fixed random +-1 vectors. Drawn from a fixed seed, so every
+    rank and every reload has the same table without storing it."""
+    return torch.randn(BIGRAM_SIGN_ROWS, dim, generator=torch.Generator().manual_seed(0), device="cpu").sign()
+
+
+def bigram_sign_rows(tokens: Tensor) -> Tensor:
+    """Same record: the sign vector of each (previous, current) pair, (previous xor current) % BIGRAM_SIGN_ROWS
+    (a different hash from bigram_rows'), row 0 at a document's first token. Two pairs sharing a table row
+    then mostly add their embeddings with different signs, and interfere less."""
+    t = tokens.to(torch.int64)
+    row = torch.bitwise_xor(F.pad(t[:-1], (1, 0)), t) % BIGRAM_SIGN_ROWS
+    first = tokens == EOT_TOKEN
+    first[0] = True
+    return torch.where(first, 0, row)
+
+
+def smear(x: Tensor, gate: Tensor, doc_start: Tensor) -> Tensor:
+    """2025-09-18_Smear: x[i] + gate[i] * x[i - 1] over (1, T, D) embeddings, where gate is (1, T, 1);
+    a document's first token takes nothing from the token before it."""
+    previous = F.pad(x[:, :-1], (0, 0, 1, 0))
+    return x + gate * ~doc_start.view(1, -1, 1) * previous
 
 
 class GPT(nn.Module):
@@ -1084,29 +1267,45 @@ class GPT(nn.Module):
             raise ValueError("the chunked head + loss computes the head in the activation dtype, not FP8")
         self.chunked_loss = chunked_loss
         cfg = self.config = ModelConfig.of(args)
-        self.roles = LayerRoles.for_depth(cfg.n_layer, cfg.value_embeds)
+        self.roles = LayerRoles.for_depth(cfg.n_layer, cfg.value_embeds, cfg.paired_heads, cfg.key_offset,
+                                          cfg.backout)
         self.backend = ATTENTION_BACKENDS[attention]
-        self.vocab_size, self.softcap, self.unet = cfg.vocab_size, cfg.logit_softcap, cfg.unet_skips
+        self.vocab_size, self.unet = cfg.vocab_size, cfg.unet_skips
+        self.softcap = Softcap(cfg.logit_softcap, cfg.logit_temperature, cfg.logit_offset)
         self.embed = nn.Embedding(cfg.vocab_size, cfg.model_dim)
         self.value_embeds = nn.ModuleList(nn.Embedding(cfg.vocab_size, cfg.model_dim)
                                           for _ in range(self.roles.n_value_embeds))
-        self.blocks = nn.ModuleList(
-            Block(cfg, self.roles.attention[i], self.roles.value_embed[i] is not None, self.backend)
-            for i in range(cfg.n_layer))
+        bigram_dim = cfg.bigram_dim or cfg.model_dim
+        self.bigram_embed = nn.Embedding(cfg.bigram_vocab_size, bigram_dim) if cfg.bigram_vocab_size else None
+        if self.bigram_embed is not None:
+            nn.init.zeros_(self.bigram_embed.weight)  # the record: the table starts empty
+        self.register_buffer("bigram_signs", bigram_sign_table(bigram_dim) if cfg.bigram_sign else None,
+                             persistent=False)
+        self.blocks = nn.ModuleList(Block(cfg, i, self.roles, self.backend) for i in range(cfg.n_layer))
         self.skip_weights = nn.Parameter(torch.ones(self.roles.n_encoder)) if cfg.unet_skips else None
+        self.skip_gate = nn.Parameter(torch.zeros(self.roles.n_encoder, GATE_DIMS)) if cfg.skip_gates else None
+        self.smear_gate = nn.Parameter(torch.zeros(1, GATE_DIMS)) if cfg.smear else None
+        self.smear_lambda = nn.Parameter(torch.zeros(1)) if cfg.smear else None  # the record: no smear at first
+        self.backout_lambda = nn.Parameter(torch.tensor([BACKOUT_LAMBDA_INIT])) if cfg.backout else None
         self.lm_head = CastedLinear(cfg.model_dim, next_multiple(cfg.vocab_size, 128), zero_init=cfg.zero_init,
                                     fp8=fp8_head)
 
-    def forward(self, tokens: Tensor, targets: Tensor, windows: Tensor) -> Tensor:
+    def forward(self, tokens: Tensor, targets: Tensor, windows: Tensor, mtp_weights: Tensor | None = None) -> Tensor:
         """Mean cross-entropy of one flat sequence (T,) of documents. windows: the (long, short) window
-        sizes in blocks, a (2,) tensor from the schedule (attention_windows)."""
+        sizes in blocks, a (2,) tensor from the schedule (attention_windows). mtp_weights (training only):
+        the weights of the next 1, 2, ... tokens' losses (mtp_loss_weights); none: the next token's alone."""
         if tokens.numel() % BLOCK_SIZE:
             raise UsageError(f"sequence length {tokens.numel()} is not a multiple of the {BLOCK_SIZE}-token block")
         if not torch.compiler.is_compiling():
             check_model_inputs(tokens, targets, windows, self.vocab_size)
         if self.chunked_loss:
-            return chunked_head_loss(self.final_hidden(tokens, windows)[0], self.lm_head.weight, targets,
-                                     self.softcap, self.chunk_loss_fn)
+            many = (multi_token_targets(targets, mtp_weights.numel()), mtp_weights) if mtp_weights is not None \
+                else (targets[:, None], None)
+            return chunked_head_loss(self.final_hidden(tokens, windows)[0], self.lm_head.weight, many[0],
+                                     self.softcap, self.chunk_loss_fn, many[1])
+        if mtp_weights is not None:
+            return multi_token_cross_entropy(self.logits(tokens, windows), multi_token_targets(targets, mtp_weights.numel()),
+                                             mtp_weights, self.softcap)
         return self.loss_fn(self.logits(tokens, windows), targets, self.softcap)
 
     def logits(self, tokens: Tensor, windows: Tensor) -> Tensor:
@@ -1115,22 +1314,53 @@ class GPT(nn.Module):
 
     def final_hidden(self, tokens: Tensor, windows: Tensor) -> Tensor:
         """The normed residual stream (1, T, model_dim) the head reads."""
-        masks = {True: self.backend.build_mask(tokens, windows[0]), False: self.backend.build_mask(tokens, windows[1])}
-        return rms_norm(self.trunk(tokens, [masks[long] for long in self.roles.long_window]))
+        return rms_norm(self.trunk(tokens, self.layer_masks(tokens, windows)))
+
+    def layer_masks(self, tokens: Tensor, windows: Tensor) -> list:
+        """Each layer's attention mask: its window, over paired positions for paired-head layers."""
+        kinds = list(zip(self.roles.long_window, self.roles.paired_heads))
+        masks = {(is_long, paired): self.backend.build_mask(paired_tokens(tokens) if paired else tokens,
+                                                            windows[0] if is_long else windows[1])
+                 for is_long, paired in dict.fromkeys(kinds)}
+        return [masks[kind] for kind in kinds]
 
     def trunk(self, tokens: Tensor, layer_masks: list, offset: int = 0) -> Tensor:
         """Embeddings through every block (value embeddings, x0 mixing, U-net skips): the residual stream."""
+        doc_start = tokens == EOT_TOKEN
         ve = [emb(tokens)[None] for emb in self.value_embeds]
-        x = x0 = rms_norm(self.embed(tokens)[None])
-        skips = []
+        x = self.embed(tokens)[None]
+        if self.smear_gate is not None:
+            x = smear(x, self.smear_lambda[0] * sigmoid_gate(x, self.smear_gate), doc_start)
+        x = x0 = rms_norm(x)
+        bigram = None
+        if self.bigram_embed is not None:
+            bigram = self.bigram_embed(bigram_rows(tokens, self.bigram_embed.num_embeddings))[None]
+            if self.bigram_signs is not None:
+                bigram = bigram * self.bigram_signs[bigram_sign_rows(tokens)].type_as(bigram)
+            bigram = F.pad(bigram, (0, x.size(-1) - bigram.size(-1)))  # into the stream's first bigram_dim dims
+        skips, backout = [], None
         for i, block in enumerate(self.blocks):
+            if i == self.roles.backout_layer:
+                backout = x
             if self.unet and i >= self.roles.n_encoder:
-                x = x + self.skip_weights[i - self.roles.n_encoder] * skips.pop()
+                j = i - self.roles.n_encoder
+                weight = self.skip_weights[j] if self.skip_gate is None \
+                    else self.skip_weights[j] * NEUTRAL_GATE_SCALE * sigmoid_gate(x0, self.skip_gate[j:j + 1])
+                x = x + weight * skips.pop()
             ve_i = self.roles.value_embed[i]
-            x = block(x, x0, None if ve_i is None else ve[ve_i], layer_masks[i], offset)
+            x = block(x, x0, None if ve_i is None else ve[ve_i], layer_masks[i], offset, doc_start, bigram)
             if self.unet and i < self.roles.n_encoder:
                 skips.append(x)
+        if backout is not None:
+            x = x - self.backout_lambda[0] * backout
         return x
+
+    @property
+    def decodes_from_history(self) -> bool:
+        """Whether a layer reads the token before (smear, bigrams, key offset) or interleaves positions (paired
+        heads): the KV cache cannot extend those, so decode() runs the whole history instead."""
+        cfg = self.config
+        return bool(cfg.smear or cfg.bigram_vocab_size or any(self.roles.key_offset) or any(self.roles.paired_heads))
 
     @torch.no_grad()
     def decode(self, tokens: Tensor, cache: "KVCache") -> Tensor:
@@ -1140,6 +1370,10 @@ class GPT(nn.Module):
         from the cache, so a new token costs O(window) instead of a pass over the whole prefix.
         """
         start = cache.extend(tokens)
+        if self.decodes_from_history:
+            history = cache.tokens[:cache.length]
+            padded = F.pad(history, (0, -cache.length % BLOCK_SIZE), value=EOT_TOKEN)  # later tokens: no effect
+            return self.logits(padded, cache.window_pair)[0, cache.length - 1]
         attentions = [block.attn for block in self.blocks if block.attn is not None]
         for attn in attentions:
             attn.backend = cache
@@ -1153,7 +1387,7 @@ class GPT(nn.Module):
     @property
     def context_len(self) -> int:
         """Positions the rotary tables cover: the longest sequence the model can take."""
-        return next(block.attn.rotary.cos.size(0) for block in self.blocks if block.attn is not None)
+        return self.config.max_seq_len
 
 
 class KVCache:
@@ -1170,12 +1404,13 @@ class KVCache:
             raise UsageError(f"a cache of {self.max_len} positions exceeds the model's {model.context_len}-token "
                              "context")
         device = model.embed.weight.device
-        windows = windows.to(device)
+        windows = self.window_pair = windows.to(device)
         self.windows = [windows[0] if is_long else windows[1] for is_long in model.roles.long_window]
         self.window_sizes = [int(w) for w in self.windows]  # host copies: no device sync per token
         self.keys: list[Tensor | None] = [None] * len(model.blocks)
         self.values: list[Tensor | None] = [None] * len(model.blocks)
         self.docs = torch.zeros(self.max_len, dtype=torch.int64, device=device)
+        self.tokens = torch.zeros(self.max_len, dtype=torch.int64, device=device)  # GPT.decodes_from_history
         self.start, self.length = 0, 0
 
     def extend(self, tokens: Tensor) -> int:
@@ -1185,6 +1420,7 @@ class KVCache:
             raise UsageError(f"sequence of {self.length + n} tokens exceeds the cache's {self.max_len} positions")
         previous = self.docs[self.length - 1] if self.length else 0
         self.docs[self.length:self.length + n] = previous + document_ids(tokens)
+        self.tokens[self.length:self.length + n] = tokens
         self.start, self.length = self.length, self.length + n
         return self.start
 
@@ -1203,68 +1439,105 @@ class KVCache:
                                     mask, scale)
 
 
-def apply_softcap(logits: Tensor, softcap: float) -> Tensor:
-    """fp32 logits squashed into (0, softcap): softcap * sigmoid(z / (softcap / 4)); 0 leaves them as they are."""
+class Softcap(typing.NamedTuple):
+    """The head's logit squash, cap * sigmoid((z + offset) / temperature); a cap of 0 leaves logits as they are.
+    R: 30 * sigmoid(z / 7.5). 2025-12-26_LogitRescale: 23 * sigmoid((z + 5) / 7.5), asymmetric about 0."""
+    cap: float
+    temperature: float = 7.5
+    offset: float = 0.0
+
+
+def apply_softcap(logits: Tensor, softcap: Softcap) -> Tensor:
+    """fp32 logits squashed into (0, cap)."""
     logits = logits.float()
-    if softcap > 0:
-        logits = softcap * torch.sigmoid(logits / (softcap / 4))  # 30 * sigmoid(z / 7.5)
+    if softcap.cap > 0:
+        shifted = logits + softcap.offset if softcap.offset else logits
+        logits = softcap.cap * torch.sigmoid(shifted / softcap.temperature)
     return logits
 
 
-def softcapped_cross_entropy(logits: Tensor, targets: Tensor, softcap: float) -> Tensor:
+def softcapped_cross_entropy(logits: Tensor, targets: Tensor, softcap: Softcap) -> Tensor:
     """Mean cross-entropy of the softcapped fp32 logits."""
     logits = apply_softcap(logits, softcap)
     return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
 
 
+def multi_token_targets(targets: Tensor, n: int) -> Tensor:
+    """(T,) next-token targets -> (T, n): column k is the token k+1 places after the next, ignored (-100)
+    past the sequence's end and once a document has ended (an EOT target) before it."""
+    columns, ended = [targets], torch.zeros_like(targets, dtype=torch.bool)
+    for k in range(1, n):
+        ended = ended | (columns[-1] == EOT_TOKEN)
+        later = F.pad(targets[k:], (0, k), value=-100)
+        columns.append(torch.where(ended, -100, later))
+    return torch.stack(columns, dim=1)
+
+
+def multi_token_cross_entropy(logits: Tensor, targets: Tensor, weights: Tensor, softcap: Softcap) -> Tensor:
+    """2025-12-22_MultiTokenPrediction: sum_k weights[k] * (mean cross-entropy of column k of targets), every
+    column scored by the same softcapped logits (the record sums the weighted losses, it does not average them)."""
+    capped = apply_softcap(logits, softcap).view(-1, logits.size(-1))
+    counts = (targets != -100).sum(0).clamp_min(1)
+    sums = torch.stack([F.cross_entropy(capped, targets[:, k], reduction="sum") for k in range(targets.size(1))])
+    return (sums / counts * weights).sum()
+
+
 HEAD_CHUNK_ROWS = 512  # rows of fp32 logits alive at once in the chunked head + loss
 
 
-def softcapped_cross_entropy_chunk(logits: Tensor, targets: Tensor, softcap: float, inv_count: Tensor,
+def softcapped_cross_entropy_chunk(logits: Tensor, targets: Tensor, softcap: Softcap, scales: Tensor,
                                    with_grad: bool) -> tuple[Tensor, Tensor | None]:
-    """softcapped_cross_entropy of some rows, summed (not averaged), and its gradient in closed form.
+    """softcapped_cross_entropy of some rows against each column of targets (rows, K), summed per column
+    (not averaged), and in closed form the gradient of sum_k scales[k] * (column k's sum) to the logits.
 
-    The gradient is d(mean loss)/d(logits) for a mean over 1/inv_count targets, cast to the logits'
-    dtype as autograd would: (softmax - onehot) * inv_count, times softcap * s' / (softcap / 4).
+    The gradient is cast to the logits' dtype as autograd would. With one column and scales = 1 / count it is
+    d(mean loss)/d(logits) = (softmax - onehot) / count, times cap * s' / temperature.
     """
     z = logits.float()
-    sig = torch.sigmoid(z / (softcap / 4)) if softcap > 0 else None
-    capped = softcap * sig if softcap > 0 else z
+    sig = torch.sigmoid((z + softcap.offset if softcap.offset else z) / softcap.temperature) \
+        if softcap.cap > 0 else None
+    capped = softcap.cap * sig if softcap.cap > 0 else z
     lse = torch.logsumexp(capped, dim=-1, keepdim=True)
     valid = targets != -100  # cross_entropy's ignore_index
-    picked = capped.gather(1, torch.where(valid, targets, 0)[:, None])
-    loss_sum = torch.where(valid, (lse - picked)[:, 0], 0.0).sum()
+    picked = capped.gather(1, torch.where(valid, targets, 0))
+    loss_sums = torch.stack([torch.where(valid[:, k], (lse - picked)[:, k], 0.0).sum() for k in range(targets.size(1))])
     if not with_grad:
-        return loss_sum, None
-    onehot = torch.arange(capped.size(-1), device=capped.device)[None, :] == targets[:, None]
-    grad = (torch.exp(capped - lse) - onehot.float()) * (valid.float() * inv_count)[:, None]
-    if softcap > 0:
-        grad = grad * (softcap * sig * (1 - sig) / (softcap / 4))
-    return loss_sum, grad.to(logits.dtype)
+        return loss_sums, None
+    if targets.size(1) == 1:  # the reference's expression, bit for bit
+        onehot = torch.arange(capped.size(-1), device=capped.device)[None, :] == targets
+        grad = (torch.exp(capped - lse) - onehot.float()) * (valid.float() * scales)
+    else:  # softmax * sum_k c_k - sum_k c_k * onehot_k, with c_k = scales[k] where the target counts
+        coef = valid.float() * scales
+        grad = torch.exp(capped - lse) * coef.sum(1, keepdim=True)
+        grad = grad.scatter_add(1, torch.where(valid, targets, 0), -coef)
+    if softcap.cap > 0:
+        grad = grad * (softcap.cap * sig * (1 - sig) / softcap.temperature)
+    return loss_sums, grad.to(logits.dtype)
 
 
 class ChunkedHeadLoss(torch.autograd.Function):
     """lm_head matmul + softcapped cross-entropy, a chunk of rows at a time (the CPU path).
 
-    Same math as softcapped_cross_entropy(F.linear(h, weight.type_as(h))), but only one chunk of fp32
-    logits exists at a time: each chunk's gradient is computed in the forward (closed form) and
-    kept in h's dtype, as the plain path's bf16 logits would be; backward is then two matmuls.
+    Same math as softcapped_cross_entropy(F.linear(h, weight.type_as(h))) (multi_token_cross_entropy for
+    several target columns), but only one chunk of fp32 logits exists at a time: each chunk's gradient is
+    computed in the forward (closed form) and kept in h's dtype, as the plain path's bf16 logits would be;
+    backward is then two matmuls.
     """
 
     @staticmethod
-    def forward(ctx, h: Tensor, weight: Tensor, targets: Tensor, softcap: float, kernel) -> Tensor:
+    def forward(ctx, h: Tensor, weight: Tensor, targets: Tensor, softcap: Softcap, kernel, weights: Tensor) -> Tensor:
         w = weight.type_as(h)
-        count = (targets != -100).sum()
-        inv_count = 1.0 / count.float()
+        counts = (targets != -100).sum(0).clamp_min(1)
+        scales = weights / counts.float()
         grad_logits = h.new_empty(h.size(0), w.size(0))
-        total = torch.zeros((), dtype=torch.float32, device=h.device)
+        totals = torch.zeros(targets.size(1), dtype=torch.float32, device=h.device)
         for lo in range(0, h.size(0), HEAD_CHUNK_ROWS):
             rows = slice(lo, lo + HEAD_CHUNK_ROWS)
-            loss_sum, grad_logits[rows] = kernel(F.linear(h[rows], w), targets[rows], softcap, inv_count, True)
-            total += loss_sum
+            loss_sums, grad_logits[rows] = kernel(F.linear(h[rows], w), targets[rows], softcap, scales, True)
+            totals += loss_sums
         ctx.save_for_backward(h, w, grad_logits)
         ctx.weight_dtype = weight.dtype
-        return total / count
+        return (totals / counts * weights).sum()
 
     @staticmethod
     def backward(ctx, grad_loss: Tensor):
@@ -1272,20 +1545,24 @@ class ChunkedHeadLoss(torch.autograd.Function):
         scale = grad_loss.to(h.dtype)
         grad_h = (grad_logits @ w) * scale if ctx.needs_input_grad[0] else None
         grad_w = (grad_logits.T @ h).to(ctx.weight_dtype) * grad_loss if ctx.needs_input_grad[1] else None
-        return grad_h, grad_w, None, None, None
+        return grad_h, grad_w, None, None, None, None
 
 
-def chunked_head_loss(h: Tensor, weight: Tensor, targets: Tensor, softcap: float, kernel) -> Tensor:
-    """Mean softcapped cross-entropy of F.linear(h, weight) without ever holding all fp32 logits."""
+def chunked_head_loss(h: Tensor, weight: Tensor, targets: Tensor, softcap: Softcap, kernel,
+                      weights: Tensor | None = None) -> Tensor:
+    """Mean softcapped cross-entropy of F.linear(h, weight) against targets (T,) or (T, K) (each column
+    weighted by weights, as multi_token_cross_entropy) without ever holding all fp32 logits."""
+    targets = targets[:, None] if targets.dim() == 1 else targets
+    weights = torch.ones(1, device=h.device) if weights is None else weights
     if torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad):
-        return ChunkedHeadLoss.apply(h, weight, targets, softcap, kernel)
+        return ChunkedHeadLoss.apply(h, weight, targets, softcap, kernel, weights)
     w = weight.type_as(h)
-    count = (targets != -100).sum()
-    total = torch.zeros((), dtype=torch.float32, device=h.device)
+    counts = (targets != -100).sum(0).clamp_min(1)
+    totals = torch.zeros(targets.size(1), dtype=torch.float32, device=h.device)
     for lo in range(0, h.size(0), HEAD_CHUNK_ROWS):
         rows = slice(lo, lo + HEAD_CHUNK_ROWS)
-        total += kernel(F.linear(h[rows], w), targets[rows], softcap, count, False)[0]
-    return total / count
+        totals += kernel(F.linear(h[rows], w), targets[rows], softcap, counts, False)[0]
+    return (totals / counts * weights).sum()
 
 
 def check_model_inputs(tokens: Tensor, targets: Tensor, windows: Tensor, vocab_size: int) -> None:
@@ -1684,16 +1961,20 @@ class Optimizers:
 
 def build_optimizers(model: GPT, args: Hyperparameters, rank: int, world_size: int,
                      compiled: bool = False) -> Optimizers:
-    """Muon for matrices inside the blocks; Adam for head, embeddings and scalars (and matrices without Muon)."""
-    hidden = [p for p in model.blocks.parameters() if p.ndim >= 2]
+    """Muon for matrices inside the blocks; Adam for head, embeddings and scalars (and matrices without Muon).
+    The gates' 12-wide weights count as scalars, at GATE_LR_SCALE of their lr (2025-12-31_GatesToCompiledAdam
+    moved them to Adam)."""
+    gates = {p: GATE_LR_SCALE[name.rsplit(".", 1)[-1]] for name, p in model.named_parameters() if name.endswith("_gate")}
+    hidden = [p for p in model.blocks.parameters() if p.ndim >= 2 and p not in gates]
     embeds = [model.embed.weight, *(e.weight for e in model.value_embeds)]
-    scalars = [p for p in model.parameters() if p.ndim < 2]
+    embeds += [model.bigram_embed.weight] if model.bigram_embed is not None else []
+    scalars = [p for p in model.parameters() if p.ndim < 2 or p in gates]
     adam_wd = args.adam_cautious_wd if args.cautious_wd else 0.0  # never on the scalars (the record's wd_mul 0)
     scalar_betas = (args.scalar_adam_beta1 if args.scalar_adam_beta1 is not None else args.adam_beta1,
                     args.scalar_adam_beta2 if args.scalar_adam_beta2 is not None else args.adam_beta2)
     adam_groups = [AdamGroup(model.lm_head.weight, args.head_lr, args.weight_decay, adam_wd)]
     adam_groups += [AdamGroup(p, args.embed_lr, cautious_wd=adam_wd) for p in embeds]
-    adam_groups += [AdamGroup(p, args.scalar_lr, betas=scalar_betas) for p in scalars]
+    adam_groups += [AdamGroup(p, args.scalar_lr * gates.get(p, 1.0), betas=scalar_betas) for p in scalars]
     muon_buckets = []
     if args.muon:
         by_shape: dict[tuple, list] = {}
@@ -1736,6 +2017,23 @@ def lr_multiplier(step: int, num_iterations: int, cooldown_frac: float, final_fr
 def muon_momentum(step: int, warmup_steps: int, start: float, end: float) -> float:
     frac = min(step / warmup_steps, 1.0) if warmup_steps > 0 else 1.0
     return (1 - frac) * start + frac * end
+
+
+MTP_WEIGHT_RATIO = 0.5  # 2025-12-22_MultiTokenPrediction: weights 1, 0.5, 0.25 for the next 3 tokens
+
+
+def mtp_loss_weights(step: int, num_iterations: int, n_tokens: int) -> list[float]:
+    """2025-12-22_MultiTokenPrediction: training is cut into n_tokens equal phases; phase p predicts the next
+    n_tokens - p tokens with weights 1, 0.5, 0.25, ..., the last of them decaying linearly to 0 over the phase
+    (for 3: [1, .5, .25->0] -> [1, .5->0] -> [1]). Always n_tokens weights (zeros at the end), so the shapes
+    a compiled model sees never change."""
+    progress = min(step / num_iterations, 1.0) * n_tokens
+    phase = min(int(progress), n_tokens - 1)
+    live = n_tokens - phase
+    weights = [MTP_WEIGHT_RATIO ** k for k in range(live)] + [0.0] * phase
+    if live > 1:
+        weights[live - 1] *= 1 - (progress - phase)
+    return weights
 
 
 def attention_windows(step: int, args: Hyperparameters) -> tuple[int, int]:
@@ -2651,10 +2949,12 @@ def set_up(args: Hyperparameters, rt: Runtime, log: RunLog, batches: BatchSchedu
 def train_step(t: Trainer, step: int) -> Tensor:
     """One optimizer step over the stage's micro-batches; returns this rank's mean loss (on the device)."""
     args, windows, accum = t.args, t.windows(step), t.batches.accum(step)
+    mtp = [torch.tensor(mtp_loss_weights(step, args.num_iterations, args.mtp_tokens), device=t.rt.device)] \
+        if args.mtp_tokens > 1 else []
     losses = []
     for i, (x, y) in enumerate(t.loader.next_batch(accum)):
         t.opt.sync.arm(i == accum - 1)
-        loss = t.compiled(x, y, windows)
+        loss = t.compiled(x, y, windows, *mtp)
         loss.backward()
         losses.append(loss.detach())
     lr_mult = lr_multiplier(step, args.num_iterations, args.cooldown_frac, args.lr_final_frac) * t.batches.lr_scale(step)

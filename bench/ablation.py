@@ -69,15 +69,29 @@ REFERENCE_NOTE = ("baseline = plain GPT-2-style AdamW: no Muon (AdamW at matrix_
 # Recipe v2's optimizer, data and schedule half (issue 13), each technique removed in turn. Every variant
 # trains the same token budget (num_iterations x batch_tokens): the batch schedule's smaller early steps
 # buy it more steps (run_specs). The reference row is the reference suite's "full" recipe.
+# Recipe v2's model half (issue 14), each technique's switches back at the reference's values.
+V2_MODEL_TECHNIQUES: dict[str, list[str]] = {
+    "bigram": ["--bigram_vocab_size=0", "--bigram_sign=false"],
+    "smear": ["--smear=false"],
+    "attn_gate": ["--attn_gate=false"],
+    "ve_skip_gates": ["--ve_gates=false", "--skip_gates=false"],
+    "backout": ["--backout=false"],
+    "key_offset": ["--key_offset=false"],
+    "logit_rescale": ["--logit_softcap=30", "--logit_offset=0"],
+    "mtp": ["--mtp_tokens=1"],
+    "paired_heads": ["--paired_heads=false"],
+}
+V2_MODEL_OFF = [flag for flags in V2_MODEL_TECHNIQUES.values() for flag in flags]
 V2_PART1 = "v2_part1"
+PART1 = ["--recipe=v2", *V2_MODEL_OFF]  # --recipe=v2 now also has the model half
 V2_PART1_VARIANTS: dict[str, list[str]] = {
     "reference": [],
-    V2_PART1: ["--recipe=v2"],
-    "v2_part1_no_batch_schedule": ["--recipe=v2", "--batch_schedule="],
-    "v2_part1_no_polar_express": ["--recipe=v2", "--polar_express=false"],
-    "v2_part1_no_normuon": ["--recipe=v2", "--normuon=false"],
-    "v2_part1_no_cautious_wd": ["--recipe=v2", "--cautious_wd=false"],
-    "v2_part1_no_smoothed_scalars": ["--recipe=v2", "--scalar_adam_beta1=none", "--scalar_adam_beta2=none"],
+    V2_PART1: PART1,
+    "v2_part1_no_batch_schedule": [*PART1, "--batch_schedule="],
+    "v2_part1_no_polar_express": [*PART1, "--polar_express=false"],
+    "v2_part1_no_normuon": [*PART1, "--normuon=false"],
+    "v2_part1_no_cautious_wd": [*PART1, "--cautious_wd=false"],
+    "v2_part1_no_smoothed_scalars": [*PART1, "--scalar_adam_beta1=none", "--scalar_adam_beta2=none"],
 }
 V2_PART1_NOTE = ("v2_part1 = --recipe=v2 on the cpu preset: Polar Express, NorMuon, cautious weight decay "
                  "(Muon and Adam), scalar Adam betas (0.9, 0.99), and the batch ramp 2048 -> 3072 -> 4096 tokens "
@@ -85,6 +99,21 @@ V2_PART1_NOTE = ("v2_part1 = --recipe=v2 on the cpu preset: Polar Express, NorMu
                  "the cpu recipe (the bundled sample's documents are ~7.8K tokens long (median); see RECIPES in "
                  "train_gpt.py). Variants with the batch ramp train more steps so that every run sees the same "
                  "tokens.")
+
+
+V2 = "v2"
+V2_VARIANTS: dict[str, list[str]] = {
+    "reference": [],
+    V2: ["--recipe=v2"],
+    **{f"v2_no_{name}": ["--recipe=v2", *flags] for name, flags in V2_MODEL_TECHNIQUES.items()},
+}
+V2_NOTE = ("v2 = --recipe=v2 on the cpu preset: part 1 (the v2_part1 suite: Polar Express, NorMuon, cautious weight "
+           "decay, smoothed scalar betas, the batch ramp 2048 -> 3072 -> 4096 tokens) and part 2, the model: a "
+           "signed bigram hash embedding, smear, sparse attention gates, value-embedding and skip gates, backout, "
+           "partial key offset on the long-window layers, paired heads on the short-window ones, logits "
+           "23 * sigmoid((z + 5) / 7.5), and a 3-token prediction loss (weights [1, .5, .25->0] -> [1, .5->0] -> [1] "
+           "over thirds of training). v2_no_X switches technique X back to the reference. Validation is always "
+           "plain next-token loss.")
 
 
 @dataclass(frozen=True)
@@ -100,6 +129,7 @@ class Suite:
 SUITES = {
     "reference": Suite(VARIANTS, FULL, BASELINE, REFERENCE_NOTE, "bench/results"),
     "v2_part1": Suite(V2_PART1_VARIANTS, V2_PART1, "reference", V2_PART1_NOTE, "bench/results/v2_part1"),
+    "v2": Suite(V2_VARIANTS, V2, "reference", V2_NOTE, "bench/results/v2"),
 }
 
 # Defaults big enough to tell techniques apart (at 80K tokens per run the variants differed by less

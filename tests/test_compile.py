@@ -102,7 +102,7 @@ def test_loss_traces_as_one_graph():
     logits = torch.randn(128, 50304, generator=gen).bfloat16()
     targets = torch.randint(0, 50257, (128,), generator=gen)
     compiled = torch.compile(T.softcapped_cross_entropy, fullgraph=True, backend="aot_eager", dynamic=False)
-    torch.testing.assert_close(compiled(logits, targets, 30.0), T.softcapped_cross_entropy(logits, targets, 30.0))
+    torch.testing.assert_close(compiled(logits, targets, T.Softcap(30.0)), T.softcapped_cross_entropy(logits, targets, T.Softcap(30.0)))
 
 
 def test_recompile_after_warmup_is_reported_with_its_reason():

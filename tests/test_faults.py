@@ -195,6 +195,11 @@ BAD_VALUES = {  # field: (a value just inside the valid range, values outside it
     "normuon_beta2": ("0", ["1", "-0.1"]), "cautious_wd": ("true", ["x"]), "muon_cautious_wd": ("0", ["-1"]),
     "adam_cautious_wd": ("0", ["nan"]), "scalar_adam_beta1": ("none", ["1", "x"]),
     "scalar_adam_beta2": ("0.99", ["1.5"]),
+    # recipe v2 (part 2)
+    "bigram_vocab_size": ("0", ["-1"]), "bigram_dim": ("0", ["-1"]), "bigram_sign": ("false", ["x"]),
+    "smear": ("true", ["x"]), "attn_gate": ("true", ["x"]), "ve_gates": ("true", ["x"]), "skip_gates": ("true", ["x"]),
+    "backout": ("true", ["x"]), "key_offset": ("true", ["x"]), "paired_heads": ("true", ["x"]),
+    "logit_offset": ("-5", ["nan", "inf"]), "logit_temperature": ("0.5", ["0", "nan"]), "mtp_tokens": ("1", ["0"]),
 }
 
 
@@ -262,3 +267,22 @@ def test_10_run_id_with_path_separators_is_refused(tmp_path):
     line = one_line_error(run_trainer(TINY + ["--run_id=../../x"], logs))
     assert "bad value '../../x' for --run_id" in line and "no path separators" in line
     assert not (tmp_path / "x.txt").exists() and not list(tmp_path.rglob("*.txt"))
+
+
+# 8. Recipe v2's model switches that contradict each other or the shape: one line naming both sides.
+@pytest.mark.parametrize("flags, message", [
+    (["--ve_gates=true", "--value_embeds=false"], "--ve_gates=true gates the value embeddings, which --value_embeds=false"),
+    (["--skip_gates=true", "--unet_skips=false"], "--skip_gates=true gates the U-net skips, which --unet_skips=false"),
+    (["--bigram_sign=true"], "--bigram_sign=true signs the bigram embedding, which --bigram_vocab_size=0 turns off"),
+    (["--bigram_vocab_size=100", "--bigram_dim=512"], "--bigram_dim=512 is wider than the stream"),
+    (["--bigram_vocab_size=1"], "--bigram_vocab_size=1 leaves no row besides the one kept for document starts"),
+    (["--paired_heads=true", "--n_head=3", "--value_embeds=false"], "--n_head=3 must be even"),
+    (["--paired_heads=true", "--n_layer=2"], "--n_layer=2 has none"),
+    (["--attn_gate=true", "--model_dim=8", "--value_embeds=false"], "first 12 dims, more than --model_dim=8"),
+    (["--logit_offset=5", "--logit_softcap=0"], "--logit_offset=5.0 shifts the logits inside the softcap"),
+    (["--recipe=v2", "--value_embeds=false"], "--ve_gates=true gates the value embeddings"),
+])
+def test_8_conflicting_model_switches_are_refused(flags, message):
+    with pytest.raises(T.UsageError) as e:
+        T.parse_args(["--preset=cpu", *flags], False)
+    assert message in str(e.value) and "\n" not in str(e.value)

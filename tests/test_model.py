@@ -350,22 +350,33 @@ def test_model_gradient_does_not_cross_documents_or_windows(n_layer, window, far
 
 # ----------------------------------------------------------------------------- chunked head + loss (CPU)
 
-@pytest.mark.parametrize("softcap, n, ignored", [(30.0, 1280, ()), (0.0, 512, ()), (30.0, 640, (3, 600, 601))])
-def test_chunked_head_loss_matches_plain_loss(softcap, n, ignored):
-    """ChunkedHeadLoss (several chunks, a ragged last one, ignored targets) against the plain
-    softcapped_cross_entropy(F.linear(h, w.type_as(h))) with autograd: loss and both gradients."""
+@pytest.mark.parametrize("softcap, n, ignored, weights", [
+    (T.Softcap(30.0), 1280, (), None), (T.Softcap(0.0), 512, (), None), (T.Softcap(30.0), 640, (3, 600, 601), None),
+    (T.Softcap(23.0, 7.5, 5.0), 640, (3,), None),  # 2025-12-26_LogitRescale
+    (T.Softcap(23.0, 7.5, 5.0), 1280, (3, 700), [1.0, 0.5, 0.125]),  # three-token prediction
+    (T.Softcap(30.0), 640, (), [1.0, 0.0])])  # a weight that has decayed to zero
+def test_chunked_head_loss_matches_plain_loss(softcap, n, ignored, weights):
+    """ChunkedHeadLoss (several chunks, a ragged last one, ignored targets, one or several target columns)
+    against the plain softcapped_cross_entropy / multi_token_cross_entropy of F.linear(h, w.type_as(h)) with
+    autograd: loss and both gradients."""
     gen = torch.Generator().manual_seed(n)
     h0 = T.rms_norm(torch.randn(n, 64, generator=gen)).bfloat16()
     w0 = torch.randn(1024, 64, generator=gen) * 0.3  # logits of a few units: the softcap matters
     targets = torch.randint(0, 1024, (n,), generator=gen)
     targets[list(ignored)] = -100
+    if weights is not None:
+        targets[[10, 500]] = EOT % 1024  # not an EOT id here: the columns are built by hand below
+        weights = torch.tensor(weights)
+        targets = torch.stack([F_pad(targets, k) for k in range(len(weights))], dim=1)
     results = []
     for chunked in (False, True):
         h, w = h0.clone().requires_grad_(), w0.clone().requires_grad_()
         if chunked:
-            loss = T.chunked_head_loss(h, w, targets, softcap, T.softcapped_cross_entropy_chunk)
-        else:
+            loss = T.chunked_head_loss(h, w, targets, softcap, T.softcapped_cross_entropy_chunk, weights)
+        elif weights is None:
             loss = T.softcapped_cross_entropy(torch.nn.functional.linear(h, w.type_as(h)), targets, softcap)
+        else:
+            loss = T.multi_token_cross_entropy(torch.nn.functional.linear(h, w.type_as(h)), targets, weights, softcap)
         (2.5 * loss).backward()  # a non-unit upstream gradient must scale both gradients
         results.append((loss.detach(), h.grad.float(), w.grad))
     (plain, plain_gh, plain_gw), (chunk, chunk_gh, chunk_gw) = results
@@ -373,8 +384,13 @@ def test_chunked_head_loss_matches_plain_loss(softcap, n, ignored):
     torch.testing.assert_close(chunk, plain, atol=1e-5, rtol=1e-6)
     assert rel_err(chunk_gh, plain_gh) < 1e-2 and rel_err(chunk_gw, plain_gw) < 1e-2  # bf16 rounding
     with torch.no_grad():  # evaluation: the loss alone
-        torch.testing.assert_close(T.chunked_head_loss(h0, w0, targets, softcap, T.softcapped_cross_entropy_chunk),
-                                   plain, atol=1e-5, rtol=1e-6)
+        torch.testing.assert_close(T.chunked_head_loss(h0, w0, targets, softcap, T.softcapped_cross_entropy_chunk,
+                                                       weights), plain, atol=1e-5, rtol=1e-6)
+
+
+def F_pad(targets, k):
+    """targets shifted k places left, -100 past the end."""
+    return torch.cat([targets[k:], torch.full((k,), -100)])
 
 
 def test_cpu_runtime_selects_the_chunked_loss_and_the_model_matches_the_plain_one():
@@ -594,3 +610,271 @@ def test_speedrun_model_compiled_step_on_cuda():
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     assert grads and all(torch.isfinite(g).all() for g in grads)
     assert model.lm_head.weight.grad.abs().sum() > 0
+
+
+# ----------------------------------------------------------------------------- recipe v2: the model techniques
+
+def v2_args(*extra):
+    """A small model with every v2 model switch on (4 layers, so that there are short-window layers to pair)."""
+    return small_args("--recipe=v2", "--n_layer=4", "--batch_tokens=2048", "--batch_schedule=",
+                      "--bigram_vocab_size=1000", "--bigram_dim=32", *extra)
+
+
+def randomised(model, seed=0):
+    """Every weight random (zero-init projections, gates and lambdas included): each path carries signal."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * (0.5 if p.ndim < 2 else 0.1))
+    return model
+
+
+def test_speedrun_v2_parameter_count():
+    with torch.device("meta"):
+        model = T.GPT(T.parse_args(["--preset=speedrun", "--recipe=v2"], False))
+    d, vocab, padded, layers, heads, gate = 768, 50257, 50304, 12, 6, 12
+    embeddings = 4 * vocab * d + 15 * 50304 * 192  # token + 3 value embeddings + the bigram table (192 wide)
+    head = padded * d
+    mlp = layers * (2 * 4 * d * d + 2 + 1)  # c_fc + c_proj, the (x, x0) lambdas and the bigram lambda
+    ve_layers = 6
+    attention = 11 * (4 * d * d + heads * gate) + ve_layers * (2 + heads * gate) + (11 - ve_layers) * 1
+    skips = 6 + 6 * gate  # skip weights and their gates
+    extras = gate + 1 + 1  # smear gate and lambda, backout lambda
+    expected = embeddings + head + mlp + attention + skips + extras
+    assert expected == 275_598_383 + 15 * 50304 * 192 + 12 + 11 * 72 + 6 * 72 + 72 + 14
+    assert sum(p.numel() for p in model.parameters()) == expected
+    roles = model.roles
+    assert roles.paired_heads == tuple(i in (1, 2, 3, 5) for i in range(12))  # the first four short-window layers
+    assert roles.key_offset == tuple(i in (0, 4, 11) for i in range(12)) and roles.long_window[7]  # 7: no attention
+    assert roles.backout_layer == 9
+
+
+def test_v2_switches_are_each_off_in_the_reference():
+    ref = T.parse_args(["--preset=cpu"], False)
+    v2 = T.parse_args(["--preset=cpu", "--recipe=v2"], False)
+    switches = ["smear", "attn_gate", "ve_gates", "skip_gates", "backout", "key_offset", "paired_heads", "bigram_sign"]
+    assert not any(getattr(ref, s) for s in switches) and all(getattr(v2, s) for s in switches)
+    assert (ref.bigram_vocab_size, ref.mtp_tokens, ref.logit_softcap, ref.logit_offset) == (0, 1, 30.0, 0.0)
+    assert (v2.bigram_vocab_size, v2.bigram_dim, v2.mtp_tokens, v2.logit_softcap, v2.logit_offset) == \
+        (5 * 50304, 64, 3, 23.0, 5.0)
+
+
+def perturbed_logits(model, tokens, position, window):
+    with torch.no_grad():
+        before = model.logits(tokens, window)[0]
+        changed = tokens.clone()
+        changed[position] = (changed[position] + 1) % 50000
+        after = model.logits(changed, window)[0]
+    return (before != after).any(-1)
+
+
+@pytest.mark.parametrize("backend", ["banded", "flex"])
+def test_v2_model_never_looks_ahead_or_across_documents(backend):
+    """Every v2 technique that reaches to other positions (smear, bigrams, key offset, paired heads, the attention
+    itself): a token changed at p changes no output before p and none in another document, and does change
+    later outputs of its own document. The wide window makes every layer see the whole document."""
+    torch.manual_seed(0)
+    model = randomised(T.GPT(v2_args("--dtype=fp32"), attention=backend)).eval()
+    tokens = tokens_with_docs(512, [0, 200, 201, 330])
+    docs = T.document_ids(tokens)
+    for p in (5, 199, 200, 201, 202, 329, 330, 331, 511):
+        changed = perturbed_logits(model, tokens, p, T.window_tensor(4))
+        assert not changed[:p].any(), (p, torch.nonzero(changed[:p]).flatten()[:5])
+        assert not changed[docs != docs[p]].any(), p
+        assert changed[p]
+        same_doc_after = (docs == docs[p]) & (torch.arange(512) > p)
+        if same_doc_after.any():
+            assert changed[same_doc_after].any(), p
+
+
+def test_v2_gradient_does_not_cross_documents_or_look_ahead():
+    """The loss at one position, back to the token and bigram embeddings: zero gradient outside its document and
+    after it; the previous token (smear, bigrams, key offset) gets some, except across a document start."""
+    torch.manual_seed(0)
+    model = randomised(T.GPT(v2_args("--dtype=fp32")))
+    tokens = tokens_with_docs(513, [0, 300, 301, 302, 400])
+    docs = T.document_ids(tokens[:-1])
+    captured = {}
+
+    def keep(name):
+        def hook(module, inputs, out):
+            out.retain_grad()
+            captured[name] = out
+        return hook
+    model.embed.register_forward_hook(keep("embed"))
+    model.bigram_embed.register_forward_hook(keep("bigram"))
+    for pos in (299, 300, 301, 303, 450):
+        targets = torch.full((512,), -100)
+        targets[pos] = tokens[pos + 1]
+        model(tokens[:-1], targets, T.window_tensor(4)).backward()
+        for name, out in captured.items():
+            touched = out.grad.abs().sum(-1) != 0
+            allowed = (docs == docs[pos]) & (torch.arange(512) <= pos)
+            assert not (touched & ~allowed).any(), (name, pos, torch.nonzero(touched & ~allowed).flatten()[:5])
+            assert touched[pos], (name, pos)
+        if docs[pos - 1] == docs[pos]:
+            assert captured["embed"].grad[pos - 1].abs().sum() > 0, pos
+
+
+def test_offset_stationary_keys_against_a_loop():
+    k = torch.randn(1, 6, 2, 16)
+    doc_start = torch.tensor([True, False, False, True, False, False])
+    got = T.offset_stationary_keys(k, doc_start)
+    for t in range(6):
+        for d in range(16):
+            stationary = 4 <= d < 8 or 12 <= d < 16  # D/4..D/2 and 3D/4..D: the dims rotary leaves alone
+            want = (0.0 if doc_start[t] else k[0, t - 1, :, d]) if stationary else k[0, t, :, d]
+            torch.testing.assert_close(got[0, t, :, d], torch.as_tensor(want).expand(2).float(), rtol=0, atol=0)
+    rotary = T.Rotary(16, 6)
+    assert torch.equal(rotary.cos[:, 4:8], torch.ones(6, 4)) and torch.equal(rotary.sin[:, 4:8], torch.zeros(6, 4))
+
+
+def paired_reference(q, k, v, tokens, window, scale):
+    """Paired-head attention written out: for heads (2p, 2p+1), positions 2i + j hold token i's head 2p + j;
+    position a attends to b <= a in the same document within `window` 128-position blocks of a."""
+    n, heads = q.size(1), q.size(2)
+    docs = T.document_ids(tokens)
+    a = torch.arange(2 * n)
+    allowed = (a[None, :] <= a[:, None]) & (docs[a // 2][None, :] == docs[a // 2][:, None]) \
+        & (a[:, None] // BLOCK - a[None, :] // BLOCK < window)
+    out = torch.empty(1, n, heads, q.size(3), dtype=torch.float64)
+    for p in range(heads // 2):
+        seq = [torch.stack([t[0, :, 2 * p], t[0, :, 2 * p + 1]], dim=1).reshape(2 * n, -1)[None, :, None]
+               for t in (q, k, v)]
+        y = reference_attention(*seq, allowed, scale)[0, :, 0]
+        out[0, :, 2 * p], out[0, :, 2 * p + 1] = y[0::2], y[1::2]
+    return out
+
+
+@pytest.mark.parametrize("backend", ["banded", "flex"])
+def test_paired_head_attention_matches_the_written_out_reference(backend):
+    n = 512
+    tokens = tokens_with_docs(n, [0, 100, 301, 302])
+    q, k, v = attention_inputs(n, heads=4, dim=16, seed=3)
+    be = T.ATTENTION_BACKENDS[backend]
+    for window in (1, 3):
+        mask = be.build_mask(T.paired_tokens(tokens), torch.tensor(window))
+        y = T.unpair_heads(be.attend(T.pair_heads(q), T.pair_heads(k), T.pair_heads(v), mask, 0.12))
+        torch.testing.assert_close(y.double(), paired_reference(q, k, v, tokens, window, 0.12), atol=1e-5, rtol=1e-5)
+    assert torch.equal(T.unpair_heads(T.pair_heads(q)), q)
+
+
+def test_bigram_rows_and_signs_against_the_record_formula():
+    tokens = torch.tensor([EOT, 11, 50255, 7, EOT, 7, 11])
+    rows = 5 * 50304
+    got = T.bigram_rows(tokens, rows).tolist()
+    for t in range(7):
+        if t == 0 or tokens[t] == EOT:
+            assert got[t] == rows - 1  # a document's first token: the reserved row, no pair across documents
+        else:
+            assert got[t] == ((36313 * int(tokens[t])) ^ (27191 * int(tokens[t - 1]))) % (rows - 1)
+    assert got[3] != got[5] and max(got) < rows
+    signs = T.bigram_sign_rows(tokens).tolist()
+    assert signs[0] == signs[4] == 0 and signs[2] == (11 ^ 50255) % 8192
+    table = T.bigram_sign_table(64)
+    assert table.shape == (8192, 64) and set(table.unique().tolist()) == {-1.0, 1.0}
+    assert torch.equal(table, T.bigram_sign_table(64))  # fixed: every rank and every reload agrees
+
+
+def test_bigram_embedding_enters_the_first_dims_with_its_sign():
+    torch.manual_seed(0)
+    model = randomised(T.GPT(v2_args("--dtype=fp32")))
+    tokens = tokens_with_docs(256, [0, 100])
+    seen = []
+    model.blocks[1].register_forward_pre_hook(lambda m, a: seen.append(a[6]))
+    with torch.no_grad():
+        model.logits(tokens, T.window_tensor(1))
+    bigram = seen[0][0]
+    table = model.bigram_embed.weight
+    want = table[T.bigram_rows(tokens, 1000)] * model.bigram_signs[T.bigram_sign_rows(tokens)]
+    torch.testing.assert_close(bigram[:, :32], want)
+    assert not bigram[:, 32:].any()
+
+
+def test_smear_takes_a_gated_share_of_the_previous_token_within_its_document():
+    x = torch.randn(1, 6, 4)
+    gate = torch.rand(1, 6, 1)
+    doc_start = torch.tensor([True, False, False, True, False, False])
+    got = T.smear(x, gate, doc_start)
+    for t in range(6):
+        want = x[0, t] if doc_start[t] else x[0, t] + gate[0, t] * x[0, t - 1]
+        torch.testing.assert_close(got[0, t], want)
+
+
+def test_gates_read_only_the_first_twelve_dims_and_start_neutral():
+    torch.manual_seed(0)
+    model = T.GPT(v2_args("--dtype=fp32"))
+    attn = model.blocks[0].attn
+    assert attn.attn_gate.shape == (2, T.GATE_DIMS) and attn.ve_gate.shape == (2, T.GATE_DIMS)
+    assert model.skip_gate.shape == (2, T.GATE_DIMS) and model.smear_gate.shape == (1, T.GATE_DIMS)
+    six = T.GPT(v2_args("--n_layer=6"))
+    assert [b.attn is not None and b.attn.ve_gate is not None for b in six.blocks] == \
+        [ve is not None and has_attention for ve, has_attention in zip(six.roles.value_embed, six.roles.attention)]
+    for gate in (attn.attn_gate, attn.ve_gate, model.skip_gate, model.smear_gate):
+        assert not gate.any()  # sigmoid(0) = 0.5: the attention gate halves, the 2x gates pass as is
+    x = torch.randn(1, 8, 64, requires_grad=True)
+    T.sigmoid_gate(x, torch.randn(2, T.GATE_DIMS)).sum().backward()
+    assert x.grad[..., :T.GATE_DIMS].abs().sum() > 0 and not x.grad[..., T.GATE_DIMS:].any()
+
+
+def test_backout_subtracts_its_share_of_the_stream_entering_its_layer():
+    """With backout_lambda = 0 the model is the model without backout; with lambda the stream the head reads
+    loses lambda x the stream that layers 0-2 of 4 made (layer 3 then adds its U-net skip)."""
+    torch.manual_seed(0)
+    with_backout = randomised(T.GPT(v2_args("--dtype=fp32")))
+    without = T.GPT(v2_args("--dtype=fp32", "--backout=false"))
+    without.load_state_dict({k: v for k, v in with_backout.state_dict().items() if k != "backout_lambda"})
+    tokens = tokens_with_docs(256, [0, 100])
+    masks = with_backout.layer_masks(tokens, T.window_tensor(2))
+    entering = []
+    with_backout.blocks[2].register_forward_hook(lambda m, a, out: entering.append(out))  # before 3's U-net skip
+    with torch.no_grad():
+        lam = with_backout.backout_lambda.item()
+        torch.testing.assert_close(with_backout.trunk(tokens, masks), without.trunk(tokens, masks) - lam * entering[0])
+        with_backout.backout_lambda.zero_()
+        torch.testing.assert_close(with_backout.trunk(tokens, masks), without.trunk(tokens, masks), rtol=0, atol=0)
+    assert with_backout.roles.backout_layer == 3
+
+
+def test_v2_gates_and_bigram_table_go_to_their_optimizer_groups():
+    torch.manual_seed(0)
+    args = v2_args()
+    model = T.GPT(args)
+    opt = T.build_optimizers(model, args, 0, 1)
+    lr = {id(b.real[0]): g["base_lr"] for b, g in zip(opt.adam.buckets, opt.adam.adam.param_groups)}
+    muon = {id(p) for b in opt.muon.buckets for p in b.real}
+    assert lr[id(model.bigram_embed.weight)] == args.embed_lr
+    assert lr[id(model.smear_gate)] == pytest.approx(args.scalar_lr * 0.01 / 5)
+    assert lr[id(model.skip_gate)] == pytest.approx(args.scalar_lr * 0.05 / 5)
+    assert lr[id(model.blocks[0].attn.attn_gate)] == pytest.approx(args.scalar_lr / 5)
+    assert lr[id(model.blocks[0].attn.ve_gate)] == pytest.approx(args.scalar_lr / 5)
+    assert lr[id(model.backout_lambda)] == lr[id(model.blocks[0].bigram_lambda)] == args.scalar_lr
+    assert id(model.blocks[0].attn.qkv_w) in muon and id(model.blocks[0].attn.attn_gate) not in muon
+
+
+def test_v2_fresh_model_loss_is_log_vocab_through_the_rescaled_softcap():
+    torch.manual_seed(0)
+    model = T.GPT(v2_args())
+    tokens = tokens_with_docs(257, [0, 40, 130])
+    with torch.no_grad():  # zero head: every logit is 23 * sigmoid(5 / 7.5), the same for all 50304
+        loss = model(tokens[:-1], tokens[1:], T.window_tensor(1))
+    assert loss.item() == pytest.approx(math.log(50304), abs=1e-4)
+    z = torch.linspace(-40, 40, 9)
+    torch.testing.assert_close(T.apply_softcap(z, T.Softcap(23.0, 7.5, 5.0)), 23 * torch.sigmoid((z + 5) / 7.5))
+
+
+def test_v2_stream_stays_in_the_activation_dtype():
+    """Every v2 scale factor (bigram, smear, backout lambdas) multiplies the bf16 stream as a 0-dim tensor: a
+    (1,)-shaped fp32 factor would promote the stream, and every matmul after it, to fp32 (2x slower on CPU)."""
+    torch.manual_seed(0)
+    model = randomised(T.GPT(v2_args()))
+    for module in model.modules():
+        if isinstance(module, torch.nn.Embedding):
+            module.to(torch.bfloat16)
+    tokens = tokens_with_docs(256, [0, 100])
+    dtypes = []
+    for block in model.blocks:
+        block.register_forward_hook(lambda m, a, out: dtypes.append(out.dtype))
+    with torch.no_grad():
+        assert model.final_hidden(tokens, T.window_tensor(2)).dtype == torch.bfloat16
+    assert dtypes == [torch.bfloat16] * 4

@@ -92,7 +92,7 @@ def test_short_window_is_half_the_long_one_at_least_one_block(long, short, monke
     we keep at least one block), and the model builds its two masks from exactly the pair it is given."""
     assert T.window_pair(long) == (long, short)
     assert torch.equal(T.window_tensor(long), torch.tensor([long, short]))
-    args = T.parse_args(["--preset=cpu", "--n_layer=2", "--model_dim=32", "--n_head=1", "--head_dim=32",
+    args = T.parse_args(["--preset=cpu", "--n_layer=4", "--model_dim=32", "--n_head=1", "--head_dim=32",
                          "--vocab_size=64", "--seq_len=2048", "--val_seq_len=2048", "--val_tokens=2048"], False)
     model = T.GPT(args)
     seen = []

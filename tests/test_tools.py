@@ -137,11 +137,11 @@ def test_sampling_is_seeded_and_respects_top_k():
     draw = lambda seed, top_k=0: sample.generate(model, prompt, 30, 4, 1.0, top_k, torch.Generator().manual_seed(seed))
     assert draw(3) == draw(3) and draw(3) != draw(4)
     logits = torch.randn(T.next_multiple(EOT + 1, 128))
-    top = set(torch.topk(T.apply_softcap(logits[:EOT + 1], 30.0), 5).indices.tolist())
+    top = set(torch.topk(T.apply_softcap(logits[:EOT + 1], T.Softcap(30.0)), 5).indices.tolist())
     gen = torch.Generator().manual_seed(0)
-    assert {sample.next_token(logits, EOT + 1, 30.0, 1.0, 5, gen) for _ in range(200)} <= top
+    assert {sample.next_token(logits, EOT + 1, T.Softcap(30.0), 1.0, 5, gen) for _ in range(200)} <= top
     logits[EOT + 1] = 1e4  # a padding row of the head is never drawn
-    assert sample.next_token(logits, EOT + 1, 30.0, 0, 0, None) != EOT + 1
+    assert sample.next_token(logits, EOT + 1, T.Softcap(30.0), 0, 0, None) != EOT + 1
 
 
 def test_generation_stops_at_the_end_of_the_document():

@@ -123,7 +123,9 @@ def test_one_and_two_ranks_give_the_same_losses_and_faults_are_caught(tmp_path, 
 
 # Every recipe-v2 switch at once on a tiny shape: a 2-stage batch ramp (2 then 4 sequences of 256), capped
 # documents packed from their starts, Polar Express, NorMuon, cautious decay, the scalars' own betas.
-V2_TINY = ["--recipe=v2", "--batch_tokens=1024", "--batch_schedule=1/2,1", "--bos_align=true", "--doc_len_cap=64"]
+# every v2 switch; 4 layers, so that there are short-window layers to pair, and a small bigram table
+V2_TINY = ["--recipe=v2", "--batch_tokens=1024", "--batch_schedule=1/2,1", "--bos_align=true", "--doc_len_cap=64",
+           "--n_layer=4", "--bigram_vocab_size=4096", "--bigram_dim=32"]
 
 
 def test_recipe_v2_gives_the_same_losses_and_state_on_one_and_two_ranks(tmp_path, tiny):

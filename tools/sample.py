@@ -27,7 +27,7 @@ END_OF_RUN_TOKENS = 64  # --sample_at_end: short samples from a document start .
 END_OF_RUN_TOP_K = 50  # ... at temperature 1 among the 50 likeliest tokens
 
 
-def next_token(logits: torch.Tensor, vocab_size: int, softcap: float, temperature: float, top_k: int,
+def next_token(logits: torch.Tensor, vocab_size: int, softcap: T.Softcap, temperature: float, top_k: int,
                generator: torch.Generator | None) -> int:
     """Greedy at temperature 0, else a draw from the softcapped distribution (top_k > 0 keeps the k likeliest).
 
