@@ -878,3 +878,49 @@ def test_v2_stream_stays_in_the_activation_dtype():
     with torch.no_grad():
         assert model.final_hidden(tokens, T.window_tensor(2)).dtype == torch.bfloat16
     assert dtypes == [torch.bfloat16] * 4
+
+
+def test_multi_token_targets_stop_at_the_sequence_end_and_after_a_document_ends():
+    targets = torch.tensor([5, 6, EOT, 8, 9, -100, 11])
+    got = T.multi_token_targets(targets, 3)
+    for t in range(7):
+        ended = False
+        for k in range(3):
+            if k:
+                ended = ended or t + k - 1 >= 7 or int(targets[t + k - 1]) == EOT
+            want = -100 if ended or t + k >= 7 else int(targets[t + k])
+            assert got[t, k] == want, (t, k)
+    assert torch.equal(got[:, 0], targets)  # column 0 is the plain next-token target
+
+
+def test_multi_token_loss_is_the_weighted_sum_of_each_columns_mean_against_float64():
+    """2025-12-22_MultiTokenPrediction: the same logits score every column; the weighted per-column means are
+    summed, not averaged. Reference: float64 log-softmax by hand."""
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(40, 96, generator=gen) * 4
+    targets = T.multi_token_targets(torch.randint(0, 96, (40,), generator=gen), 3)
+    targets[7, 0] = -100
+    weights = torch.tensor([1.0, 0.5, 0.2])
+    softcap = T.Softcap(23.0, 7.5, 5.0)
+    got = T.multi_token_cross_entropy(logits, targets, weights, softcap)
+    logp = torch.log_softmax(23 * torch.sigmoid((logits.double() + 5) / 7.5), -1)
+    want = 0.0
+    for k in range(3):
+        rows = [t for t in range(40) if targets[t, k] != -100]
+        want += float(weights[k]) * -sum(logp[t, targets[t, k]] for t in rows) / len(rows)
+    assert got.item() == pytest.approx(float(want), rel=1e-5)
+    one = T.multi_token_cross_entropy(logits, targets[:, :1], torch.ones(1), softcap)
+    torch.testing.assert_close(one, T.softcapped_cross_entropy(logits, targets[:, 0], softcap))
+
+
+def test_validation_loss_is_next_token_loss_whatever_the_training_weights():
+    """The model's loss without mtp_weights (validation, evaluate()) is plain next-token cross-entropy."""
+    torch.manual_seed(0)
+    model = randomised(T.GPT(v2_args("--dtype=fp32"))).eval()
+    tokens = tokens_with_docs(257, [0, 100])
+    with torch.no_grad():
+        plain = model(tokens[:-1], tokens[1:], T.window_tensor(2))
+        logits = model.logits(tokens[:-1], T.window_tensor(2))[0]
+        with_weights = model(tokens[:-1], tokens[1:], T.window_tensor(2), torch.tensor([1.0, 0.5, 0.25]))
+    torch.testing.assert_close(plain, T.softcapped_cross_entropy(logits, tokens[1:], model.softcap))
+    assert with_weights > plain  # the other columns add their (positive) losses

@@ -274,3 +274,20 @@ def test_recipe_v2_switches_every_technique_on_and_each_flag_switches_one_off():
     assert (cpu.batch_tokens, cpu.batch_schedule, cpu.bos_align) == (4096, "1/2,3/4,1", False)
     with pytest.raises(T.UsageError, match="unknown recipe 'v3'; valid recipes: reference, v2"):
         T.parse_args(["--recipe=v3"], False)
+
+
+def test_mtp_weights_follow_the_records_three_phases():
+    """2025-12-22_MultiTokenPrediction: [1, .5, .25 -> 0] -> [1, .5 -> 0] -> [1] over thirds of training, linear
+    within each; always three weights, so a compiled model sees one shape."""
+    N = 90
+    for step in range(N + 1):
+        w = T.mtp_loss_weights(step, N, 3)
+        x = step / N
+        if x < 1 / 3:
+            want = [1.0, 0.5, 0.25 * (1 - 3 * x)]
+        elif x < 2 / 3:
+            want = [1.0, 0.5 * (1 - (3 * x - 1)), 0.0]
+        else:
+            want = [1.0, 0.0, 0.0]
+        assert w == pytest.approx(want, abs=1e-12), step
+    assert T.mtp_loss_weights(0, N, 1) == [1.0] and T.mtp_loss_weights(45, N, 2) == [1.0, 0.0]

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import train_gpt as T
 from conftest import REPO, TINY, run_trainer
@@ -97,6 +98,28 @@ def test_cached_decoding_gives_the_full_forward_logits(window):
     got += [model.decode(tokens[i:i + 1], cache) for i in range(100, 512)]
     expected = torch.cat([full[99:100], full[100:512]])
     torch.testing.assert_close(torch.stack(got), expected, atol=2e-5, rtol=1e-5)
+
+
+def test_v2_model_decodes_from_its_history_with_the_full_forward_logits():
+    """Smear, bigrams, key offset and paired heads read the token before or interleave positions, which the KV
+    cache cannot extend: decode() runs the model over the cached history, and gives logits()'s numbers."""
+    args = model_args("--recipe=v2", "--n_layer=4", "--batch_tokens=2048", "--batch_schedule=", "--dtype=fp32",
+                      "--bigram_vocab_size=1000", "--bigram_dim=32")
+    torch.manual_seed(0)
+    model = T.GPT(args).eval()
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * (0.5 if p.ndim < 2 else 0.1))
+    assert model.decodes_from_history
+    tokens = torch.tensor(prompt_with_documents(300, [0, 150, 151]))
+    with torch.no_grad():
+        full = model.logits(F.pad(tokens, (0, 84), value=T.EOT_TOKEN), T.window_tensor(2))[0]
+    cache = T.KVCache(model, T.window_tensor(2))
+    got = [model.decode(tokens[:100], cache)] + [model.decode(tokens[i:i + 1], cache) for i in range(100, 300)]
+    torch.testing.assert_close(torch.stack(got), full[99:300], atol=2e-5, rtol=1e-5)
+    assert sample.generate(model, tokens[:140].tolist(), 8, 2, temperature=0) == \
+        sample.generate(model, tokens[:140].tolist(), 8, 2, temperature=0, kv_cache=False)
 
 
 def test_greedy_with_the_cache_matches_the_naive_forward():
