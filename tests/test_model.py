@@ -924,3 +924,18 @@ def test_validation_loss_is_next_token_loss_whatever_the_training_weights():
         with_weights = model(tokens[:-1], tokens[1:], T.window_tensor(2), torch.tensor([1.0, 0.5, 0.25]))
     torch.testing.assert_close(plain, T.softcapped_cross_entropy(logits, tokens[1:], model.softcap))
     assert with_weights > plain  # the other columns add their (positive) losses
+
+
+def test_skip_gates_read_the_embedding_stream_x0(monkeypatch):
+    """2025-12-29_VeSkipGates: the skip gate reads x0 (the normed embedding), not the stream at the skip; the
+    skip enters as skip_weight * 2 * sigmoid(gate . x0[:12]) * (the encoder layer's output)."""
+    torch.manual_seed(0)
+    model = randomised(T.GPT(v2_args("--dtype=fp32")))
+    x0, gate_inputs = [], []
+    model.blocks[0].register_forward_pre_hook(lambda m, a: x0.append(a[1]))
+    gate = T.sigmoid_gate
+    monkeypatch.setattr(T, "sigmoid_gate", lambda x, w: gate_inputs.append((x, w)) or gate(x, w))
+    with torch.no_grad():
+        model.logits(tokens_with_docs(256, [0, 100]), T.window_tensor(2))
+    skip_calls = [x for x, w in gate_inputs if w.shape == (1, T.GATE_DIMS) and w.data_ptr() != model.smear_gate.data_ptr()]
+    assert len(skip_calls) == model.roles.n_encoder and all(x is x0[0] for x in skip_calls)
