@@ -309,3 +309,23 @@ def test_v2_table_targets_v2_and_compares_the_reference():
     assert table.target == pytest.approx(4.005)
     assert table.headline.startswith("v2_part1 reaches reference's final val loss 5.0000 after 6,144 tokens")
     assert "| reference | 2 | 5.0000 | 0.0000 | +0.9950 | **yes** |" in table.markdown
+
+
+# ---------------------------------------------------------------- step_cost.py
+
+def test_step_cost_times_a_variant_as_the_trainer_builds_it(monkeypatch, capsys):
+    """One real (small) step per variant through the trainer's own builders; a row per variant, ratios to the
+    first; an unknown variant is refused naming the valid ones."""
+    import step_cost
+    monkeypatch.setattr(step_cost, "STEP_TOKENS", 1024)
+    small = ["--n_layer=4", "--model_dim=64", "--n_head=2", "--head_dim=32", "--bigram_vocab_size=1000",
+             "--bigram_dim=32"]
+    monkeypatch.setitem(A.SUITES, "tiny", A.Suite({"reference": small[:4], "v2": ["--recipe=v2", *small]}, "v2",
+                                                  "reference", "", "bench/results/tiny"))
+    with pytest.raises(SystemExit):
+        step_cost.main(["--suite=v2", "--variants=reference,nope"])
+    assert "unknown variant(s) nope" in capsys.readouterr().err
+    assert step_cost.ablation is A  # the suites step_cost reads are the ones patched above
+    step_cost.main(["--suite=tiny", "--steps=1"])
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ") and "variant" not in line]
+    assert [row.split(" | ")[0] for row in rows] == ["| reference", "| v2"] and rows[0].endswith("| 1.00x |")

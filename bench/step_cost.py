@@ -1,0 +1,89 @@
+"""What each recipe-v2 technique costs in speed: time per training step of every ablation variant, in one
+process, one after another, on the same 4,096-token batches of the bundled sample.
+
+    python bench/step_cost.py                        # the v2 suite's variants, 3 timed steps each, 1 thread
+    python bench/step_cost.py --suite=v2_part1 --steps=5 --threads=2
+
+Each variant is built as train_gpt.py builds it (build_model on the runtime setup_runtime picks, then
+build_optimizers) from the ablation suite's overrides, with one 4,096-token batch per step for every variant
+(the batch schedule is switched off, so every step costs what the full batch costs). A step is timed in two
+parts: forward + backward over its micro-batches, and the optimizer step. After one untimed step, the
+median of --steps steps is printed per variant, with tokens/s and the ratio to the first variant (the
+reference). Numbers for closing notes and the README, not a test; run it on an otherwise idle machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "bench"))
+import ablation  # noqa: E402
+import train_gpt as T  # noqa: E402
+
+STEP_TOKENS = 4096  # the cpu ablation's full batch: 4 sequences of 1,024
+
+
+def time_variant(overrides: list[str], steps: int) -> tuple[float, float]:
+    """(median forward + backward seconds, median optimizer seconds) per 4,096-token step."""
+    args = T.parse_args(["--preset=cpu", *overrides, "--batch_schedule=", f"--batch_tokens={STEP_TOKENS}"], False)
+    rt = T.setup_runtime(args)
+    torch.manual_seed(args.seed)
+    model = T.build_model(args, rt)
+    opt = T.build_optimizers(model, args, 0, 1)
+    stream = T.TokenStream(T.find_shards(args.train_files, "training"), args.vocab_size, cycle=True)
+    loader = T.DistributedTokenLoader(stream, args.seq_len, 0, 1, False, 0, rt.device)
+    accum = STEP_TOKENS // args.seq_len
+    windows = T.WindowTensors(args, rt.device)
+    forward_backward, optimizer = [], []
+    for step in range(steps + 1):
+        extra = [torch.tensor(T.mtp_loss_weights(step, args.num_iterations, args.mtp_tokens))] \
+            if args.mtp_tokens > 1 else []
+        start = time.perf_counter()
+        for i, (x, y) in enumerate(loader.next_batch(accum)):
+            opt.sync.arm(i == accum - 1)
+            model(x, y, windows(step), *extra).backward()
+        middle = time.perf_counter()
+        opt.step(1.0, args.muon_momentum, accum)
+        model.zero_grad(set_to_none=True)
+        if step:  # the first step compiles the loss kernel
+            forward_backward.append(middle - start)
+            optimizer.append(time.perf_counter() - middle)
+    return statistics.median(forward_backward), statistics.median(optimizer)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--suite", default="v2", choices=list(ablation.SUITES), help="whose variants to time (v2)")
+    p.add_argument("--variants", default=None, help="comma-separated subset (all of the suite's)")
+    p.add_argument("--steps", type=int, default=3, help="timed steps per variant, after one untimed (3)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads (1, as each ablation run has)")
+    a = p.parse_args(argv)
+    torch.set_num_threads(a.threads)
+    variants = ablation.SUITES[a.suite].variants
+    names = [v.strip() for v in a.variants.split(",")] if a.variants else list(variants)
+    unknown = [n for n in names if n not in variants]
+    if unknown:
+        p.error(f"unknown variant(s) {', '.join(unknown)}; valid: {', '.join(variants)}")
+    print(f"| variant | forward + backward (s) | optimizer (s) | step (s) | tokens/s | vs {names[0]} |")
+    print("|---|---|---|---|---|---|")
+    first = None
+    for name in names:
+        fb, op = time_variant(variants[name], a.steps)
+        first = first or fb + op
+        print(f"| {name} | {fb:.2f} | {op:.2f} | {fb + op:.2f} | {STEP_TOKENS / (fb + op):,.0f} | "
+              f"{(fb + op) / first:.2f}x |", flush=True)
+    print(f"\n{a.steps} timed steps of {STEP_TOKENS:,} tokens per variant (median), {a.threads} thread(s), "
+          f"one process, cpu preset, batch schedule off.")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
