@@ -438,3 +438,36 @@ def test_hellaswag_every_over_two_ranks_matches_the_tool_and_is_untimed(tmp_path
     scored = tool("hellaswag", tmp_path / "logs" / "h" / "step_000004", "--data", FIXTURE, env=TOKENIZER_ENV)
     assert scored.returncode == 0, scored.stderr
     assert f"acc:{curve[-1][1]:.4f} acc_norm:{curve[-1][2]:.4f} examples:10" in scored.stdout
+
+
+# ----------------------------------------------------------------------------- recipe v2 checkpoints
+
+@pytest.fixture(scope="module")
+def v2_checkpoint(tmp_path_factory):
+    """A real tiny run of recipe v2 (every model technique) and its final checkpoint."""
+    from test_training import V2_TINY
+    logs = tmp_path_factory.mktemp("run_v2")
+    result = run_trainer(TINY + V2_TINY + ["--run_id=v2", "--checkpoint_final=true"], logs)
+    assert result.returncode == 0, result.stderr[-2000:]
+    return logs / "v2" / "step_000004"
+
+
+def test_v2_checkpoint_exports_and_samples_like_the_trained_model(v2_checkpoint, tmp_path):
+    """export round trip bit for bit (the bigram table and every gate; the sign table is rebuilt, not stored),
+    and the sample CLI through decode's history path."""
+    loaded = loading.load_model(v2_checkpoint, "cpu")
+    assert loaded.args.recipe == "v2" and loaded.model.bigram_embed is not None and loaded.model.decodes_from_history
+    result = tool("export", v2_checkpoint, tmp_path / "out")
+    assert result.returncode == 0, result.stderr
+    from safetensors.torch import load_file
+    stored = load_file(str(tmp_path / "out" / "model.safetensors"))
+    assert "bigram_embed.weight" in stored and "smear_gate" in stored and "bigram_signs" not in stored
+    rebuilt = load_exported(tmp_path / "out", "cpu")
+    tokens = torch.tensor(prompt_with_documents(256, [0, 99]))
+    window = T.window_tensor(loaded.window_blocks)
+    with torch.no_grad():
+        assert torch.equal(loaded.model.logits(tokens, window), rebuilt.model.logits(tokens, window))
+    sampled = tool("sample", v2_checkpoint, "--prompt", "The President", "--max_new_tokens", 8,
+                   "--temperature", 0, env=TOKENIZER_ENV)
+    assert sampled.returncode == 0, sampled.stderr
+    assert sampled.stdout.count("The President") == 1
