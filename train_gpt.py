@@ -346,7 +346,7 @@ def one_of(*allowed: str) -> Rule:
     return Rule(lambda v: v in allowed, "one of " + ", ".join(allowed))
 
 
-ANY_BOOL = Rule(lambda v: True, "true or false")
+ANY_BOOL = Rule(lambda v: isinstance(v, bool), "true or false")  # a checkpoint's JSON could hold anything
 ANY_TEXT = Rule(lambda v: True, "any text")
 NON_EMPTY = Rule(lambda v: v != "", "a non-empty path or glob")
 # A run id names a log file and a folder directly under --log_dir, so it must not be a path.

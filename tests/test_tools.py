@@ -223,9 +223,12 @@ def test_checkpoint_of_another_shape_or_recipe_is_refused(checkpoint, tmp_path):
     deep = edited("deep", lambda h: h.update(n_layer=4))
     assert "n_layer=2 but the recorded hyperparameters say n_layer=4" in \
         one_error_line(tool("hellaswag", deep, "--data", FIXTURE))
-    other = edited("other", lambda h: h.update(attn_gate="sparse"))
-    assert "records hyperparameter 'attn_gate'='sparse', which this train_gpt.py does not have" in \
+    other = edited("other", lambda h: h.update(attn_sink="sparse"))
+    assert "records hyperparameter 'attn_sink'='sparse', which this train_gpt.py does not have" in \
         one_error_line(tool("export", other, tmp_path / "out"))
+    not_bool = edited("not_bool", lambda h: h.update(attn_gate="sparse"))  # a switch recorded as text
+    assert "refuses (bad value 'sparse' for --attn_gate; valid: true or false)" in \
+        one_error_line(tool("export", not_bool, tmp_path / "out3"))
     newer = edited("newer", lambda h: h.update(recipe="v9"))
     assert "refuses (bad value 'v9' for --recipe; valid: one of reference, v2)" in \
         one_error_line(tool("export", newer, tmp_path / "out2"))

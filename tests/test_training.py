@@ -133,8 +133,10 @@ def test_recipe_v2_gives_the_same_losses_and_state_on_one_and_two_ranks(tmp_path
     import ablation
     runs = {}
     for nproc in (1, 2):
-        result = run_trainer(tiny + V2_TINY + [f"--run_id=v2ws{nproc}", "--val_every=0", "--checkpoint_final=true"],
-                             tmp_path, nproc=nproc)
+        # fp32 activations: v2's many bf16 stream ops, summed in another order per world size, would drift the
+        # optimizer state past STATE_TOLERANCE (0.0275 at worst here); Muon's iterations stay bf16
+        result = run_trainer(tiny + V2_TINY + [f"--run_id=v2ws{nproc}", "--val_every=0", "--checkpoint_final=true",
+                                               "--dtype=fp32"], tmp_path, nproc=nproc)
         assert result.returncode == 0, result.stderr[-2000:]
         runs[nproc] = train_losses((tmp_path / f"v2ws{nproc}.txt").read_text())
         summary = json.loads((tmp_path / f"v2ws{nproc}.json").read_text())
