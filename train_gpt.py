@@ -150,7 +150,7 @@ class Hyperparameters:
     attn_gate: bool = False  # 2025-08-23_SparseAttnGate: a sigmoid gate per head on the attention output
     ve_gates: bool = False  # 2025-12-29_VeSkipGates: a sigmoid gate per head on the value embeddings
     skip_gates: bool = False  # same record: a 2 * sigmoid gate on each U-net skip, read from the embedding x0
-    backout: bool = False  # 2025-10-04_Backout: subtract a learned share of the stream after 2/3 of the layers before the head
+    backout: bool = False  # 2025-10-04_Backout: subtract a learned share of the stream after 3/4 of the layers before the head
     key_offset: bool = False  # 2025-12-14_PartialKeyOffset: long-window keys' stationary rotary dims come from the previous token
     paired_heads: bool = False  # 2026-01-07_PairedHeadAttention: head pairs attend as one head over interleaved positions
     logit_offset: float = 0.0  # 2025-12-26_LogitRescale: softcap * sigmoid((logits + offset) / logit_temperature)
@@ -1114,14 +1114,20 @@ def sigmoid_gate(x: Tensor, weight: Tensor) -> Tensor:
     return torch.sigmoid(F.linear(x[..., :GATE_DIMS], weight.type_as(x)))
 
 
+def previous_in_document(x: Tensor, doc_start: Tensor) -> Tensor:
+    """x (1, T, ...) shifted one position later along T: each position gets the previous token's value, and a
+    document's first token gets zeros, so nothing crosses a document start (smear, key offset)."""
+    previous = F.pad(x[:, :-1], (0, 0) * (x.dim() - 2) + (1, 0))
+    return previous * ~doc_start.view(1, -1, *[1] * (x.dim() - 2))
+
+
 def offset_stationary_keys(k: Tensor, doc_start: Tensor) -> Tensor:
     """2025-12-14_PartialKeyOffset: each key's stationary rotary dims (D/4..D/2 and 3D/4..D, which rotary
     leaves unrotated) are replaced by the previous token's, so one key can answer for two positions (1-layer
     induction). A document's first token gets zeros there: nothing crosses a document start."""
-    previous = F.pad(k[:, :-1], (0, 0, 0, 0, 1, 0)) * ~doc_start.view(1, -1, 1, 1)
     dim = torch.arange(k.size(-1), device=k.device)
     stationary = dim % (k.size(-1) // 2) >= k.size(-1) // 4
-    return torch.where(stationary, previous, k)
+    return torch.where(stationary, previous_in_document(k, doc_start), k)
 
 
 def pair_heads(t: Tensor) -> Tensor:
@@ -1219,15 +1225,21 @@ def next_multiple(n: float, k: int) -> int:
     return int(math.ceil(n / k) * k)
 
 
+def token_pairs(tokens: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """(current, previous, first) for the bigram hashes: int64 ids, the ids shifted one later, and where a pair
+    must not be formed (the sequence's first token and every document start)."""
+    current = tokens.to(torch.int64)
+    first = tokens == EOT_TOKEN
+    first[0] = True
+    return current, F.pad(current[:-1], (1, 0)), first
+
+
 def bigram_rows(tokens: Tensor, rows: int) -> Tensor:
     """2026-01-19_BigramHashEmbedding: the table row of each (previous, current) token pair,
     (36313 * current) xor (27191 * previous) mod (rows - 1). Row rows - 1 is kept for a document's first token
     (the record keeps it for the sequence's first only): a pair never spans two documents."""
-    t = tokens.to(torch.int64)
-    previous = F.pad(t[:-1], (1, 0))
-    row = torch.bitwise_xor(BIGRAM_HASH[0] * t, BIGRAM_HASH[1] * previous) % (rows - 1)
-    first = tokens == EOT_TOKEN
-    first[0] = True
+    current, previous, first = token_pairs(tokens)
+    row = torch.bitwise_xor(BIGRAM_HASH[0] * current, BIGRAM_HASH[1] * previous) % (rows - 1)
     return torch.where(first, rows - 1, row)
 
 
@@ -1241,18 +1253,14 @@ def bigram_sign_rows(tokens: Tensor) -> Tensor:
     """Same record: the sign vector of each (previous, current) pair, (previous xor current) % BIGRAM_SIGN_ROWS
     (a different hash from bigram_rows'), row 0 at a document's first token. Two pairs sharing a table row
     then mostly add their embeddings with different signs, and interfere less."""
-    t = tokens.to(torch.int64)
-    row = torch.bitwise_xor(F.pad(t[:-1], (1, 0)), t) % BIGRAM_SIGN_ROWS
-    first = tokens == EOT_TOKEN
-    first[0] = True
-    return torch.where(first, 0, row)
+    current, previous, first = token_pairs(tokens)
+    return torch.where(first, 0, torch.bitwise_xor(previous, current) % BIGRAM_SIGN_ROWS)
 
 
 def smear(x: Tensor, gate: Tensor, doc_start: Tensor) -> Tensor:
     """2025-09-18_Smear: x[i] + gate[i] * x[i - 1] over (1, T, D) embeddings, where gate is (1, T, 1);
     a document's first token takes nothing from the token before it."""
-    previous = F.pad(x[:, :-1], (0, 0, 1, 0))
-    return x + gate * ~doc_start.view(1, -1, 1) * previous
+    return x + gate * previous_in_document(x, doc_start)
 
 
 class GPT(nn.Module):
@@ -1298,14 +1306,13 @@ class GPT(nn.Module):
             raise UsageError(f"sequence length {tokens.numel()} is not a multiple of the {BLOCK_SIZE}-token block")
         if not torch.compiler.is_compiling():
             check_model_inputs(tokens, targets, windows, self.vocab_size)
-        if self.chunked_loss:
-            many = (multi_token_targets(targets, mtp_weights.numel()), mtp_weights) if mtp_weights is not None \
-                else (targets[:, None], None)
-            return chunked_head_loss(self.final_hidden(tokens, windows)[0], self.lm_head.weight, many[0],
-                                     self.softcap, self.chunk_loss_fn, many[1])
         if mtp_weights is not None:
-            return multi_token_cross_entropy(self.logits(tokens, windows), multi_token_targets(targets, mtp_weights.numel()),
-                                             mtp_weights, self.softcap)
+            targets = multi_token_targets(targets, mtp_weights.numel())
+        if self.chunked_loss:
+            return chunked_head_loss(self.final_hidden(tokens, windows)[0], self.lm_head.weight, targets,
+                                     self.softcap, self.chunk_loss_fn, mtp_weights)
+        if mtp_weights is not None:
+            return multi_token_cross_entropy(self.logits(tokens, windows), targets, mtp_weights, self.softcap)
         return self.loss_fn(self.logits(tokens, windows), targets, self.softcap)
 
     def logits(self, tokens: Tensor, windows: Tensor) -> Tensor:
