@@ -102,17 +102,21 @@ V2_PART1_NOTE = ("v2_part1 = --recipe=v2 on the cpu preset: Polar Express, NorMu
 
 
 V2 = "v2"
+V2_LONG_HORIZON_OFF = "v2_no_logit_rescale_no_mtp"
 V2_VARIANTS: dict[str, list[str]] = {
     "reference": [],
     V2: ["--recipe=v2"],
     **{f"v2_no_{name}": ["--recipe=v2", *flags] for name, flags in V2_MODEL_TECHNIQUES.items()},
+    # both techniques that cost most at this scale off at once: what the rest of v2 gives on the cpu shape
+    V2_LONG_HORIZON_OFF: ["--recipe=v2", *V2_MODEL_TECHNIQUES["logit_rescale"], *V2_MODEL_TECHNIQUES["mtp"]],
 }
 V2_NOTE = ("v2 = --recipe=v2 on the cpu preset: part 1 (the v2_part1 suite: Polar Express, NorMuon, cautious weight "
            "decay, smoothed scalar betas, the batch ramp 2048 -> 3072 -> 4096 tokens) and part 2, the model: a "
            "signed bigram hash embedding, smear, sparse attention gates, value-embedding and skip gates, backout, "
            "partial key offset on the long-window layers, paired heads on the short-window ones, logits "
            "23 * sigmoid((z + 5) / 7.5), and a 3-token prediction loss (weights [1, .5, .25->0] -> [1, .5->0] -> [1] "
-           "over thirds of training). v2_no_X switches technique X back to the reference. Validation is always "
+           "over thirds of training). v2_no_X switches technique X back to the reference; "
+           f"{V2_LONG_HORIZON_OFF} switches the rescale and MTP back together. Validation is always "
            "plain next-token loss.")
 
 

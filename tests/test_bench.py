@@ -300,6 +300,23 @@ def test_v2_suite_gives_every_variant_the_same_token_budget(tmp_path):
     assert v2.recipe == "v2" and T.batch_schedule(v2, 1).tokens_before(128) == 43 * 2048 + 43 * 3072 + 42 * 4096
 
 
+def test_v2_suite_variants_switch_off_exactly_their_techniques():
+    """Each v2_no_X resolves to v2's hyperparameters except the fields of technique X, which are the
+    reference's; the combined row differs in the logit rescale's and MTP's fields together (a misspelt or
+    no-op flag would leave a variant identical to v2)."""
+    def resolved(args):
+        return T.parse_args(["--preset=cpu", *args], False).__dict__
+    v2, reference = resolved(["--recipe=v2"]), resolved([])
+    fields = {name: {f.removeprefix("--").split("=")[0] for f in flags} for name, flags in A.V2_MODEL_TECHNIQUES.items()}
+    expected = {f"v2_no_{name}": names for name, names in fields.items()}
+    expected[A.V2_LONG_HORIZON_OFF] = fields["logit_rescale"] | fields["mtp"]
+    assert set(A.V2_VARIANTS) == {"reference", A.V2, *expected}
+    for variant, names in expected.items():
+        got = resolved(A.V2_VARIANTS[variant])
+        assert {k for k in v2 if got[k] != v2[k]} == names, variant
+        assert all(got[k] == reference[k] for k in names), variant
+
+
 def test_v2_table_targets_v2_and_compares_the_reference():
     suite = A.SUITES["v2_part1"]
     stats = {"reference": A.variant_stats("reference", [summary("reference", s, [10.0, 6.0, 5.0]) for s in range(2)]),
