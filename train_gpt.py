@@ -2739,7 +2739,7 @@ class StopSignal:
     def settle(self) -> int | None:
         """Waits for the last agreement started, lets go of it, and returns its signal (None: no signal, or
         none pending). Holding it past the run is not safe: a gloo work still referenced when the interpreter
-        exits is freed after Python is gone, which aborted a finished rank at random (2 runs in 72 on 2 ranks)."""
+        exits is freed after Python is gone (pytorch/pytorch#179291), one way a finished rank can abort at exit."""
         if self._pending is None:
             return None
         waiter, result = self._pending
