@@ -23,7 +23,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import fcntl
-import functools
+import gc
 import glob
 import hashlib
 import json
@@ -37,6 +37,7 @@ import signal
 import subprocess
 import sys
 import time
+import traceback
 import types
 import typing
 import uuid
@@ -2380,17 +2381,12 @@ def local_part(t: Tensor | FlatShard) -> Tensor:
     return t.local if isinstance(t, FlatShard) else t
 
 
-@functools.cache
-def checkpoint_mesh(device_type: str, world_size: int):
-    return init_device_mesh(device_type, (world_size,))
-
-
 def as_dcp_state(state: TrainingState, rt: Runtime) -> dict[str, Tensor]:
     """The tensors as torch.distributed.checkpoint sees them: each FlatShard a DTensor sharded over all
     ranks, so that DCP records which piece of the flat tensor it is and re-cuts it for any world size."""
     if rt.world_size == 1:
         return {name: local_part(t) for name, t in state.tensors.items()}
-    mesh = checkpoint_mesh(rt.device.type, rt.world_size)
+    mesh = init_device_mesh(rt.device.type, (rt.world_size,))  # not cached: a mesh holds the process group
     return {name: DTensor.from_local(t.local, mesh, [Shard(0)], run_check=False, shape=(t.numel,), stride=(1,))
             if isinstance(t, FlatShard) else t for name, t in state.tensors.items()}
 
@@ -3020,47 +3016,44 @@ def train_loop(t: Trainer, start_step: int, checkpoint: Path | None) -> int:
     args, rt, log, N = t.args, t.rt, t.log, t.args.num_iterations
     energy, recompiles, stop = EnergyMeter.open(rt), RecompileWatch().start(), SIGNALS.defer()
     clock, progress, watch = Clock(rt, energy), Progress(), FiniteWatch(rt.device, start_step, checkpoint)
-    profiler = start_profiler(t)
     clock.start()
     exit_status = None
-    for step in range(start_step, N + 1):
-        last = step == N
-        # ---------------- VALIDATION ----------------
-        validate_now, hellaswag_now = last or due(step, args.val_every), \
-            t.hellaswag_items is not None and (last or due(step, args.hellaswag_every))
-        if validate_now or hellaswag_now:
-            clock.pause()
-            if validate_now:
-                validate(t, step, start_step, clock, progress, watch)
-            if hellaswag_now:
-                score_hellaswag(t, step, progress)
-            if last:
+    with profiling(t) as profiler:  # stopped on every way out of the loop
+        for step in range(start_step, N + 1):
+            last = step == N
+            # ---------------- VALIDATION ----------------
+            validate_now, hellaswag_now = last or due(step, args.val_every), \
+                t.hellaswag_items is not None and (last or due(step, args.hellaswag_every))
+            if validate_now or hellaswag_now:
+                clock.pause()
+                if validate_now:
+                    validate(t, step, start_step, clock, progress, watch)
+                if hellaswag_now:
+                    score_hellaswag(t, step, progress)
+                if last:
+                    break
+                clock.start()
+            # ---------------- CHECKPOINT OR STOP ----------------
+            exit_status = checkpoint_or_stop(t, step, start_step, stop.agreed(rt), clock, watch)
+            if exit_status is not None:
                 break
-            clock.start()
-        # ---------------- CHECKPOINT OR STOP ----------------
-        exit_status = checkpoint_or_stop(t, step, start_step, stop.agreed(rt), clock, watch)
-        if exit_status is not None:
-            break
-        # ---------------- TRAINING ----------------
-        loss = train_step(t, step)
-        watch.observe(loss)
-        for reason in recompiles.drain():
-            log.write(f"warning: torch.compile recompiled after warm-up at step {step + 1}: {reason}")
-        if profiler is not None:
-            profiler.step()
-        log_train_step(t, step + 1, start_step, loss, clock, watch)
-    if profiler is not None:
-        profiler.stop()
+            # ---------------- TRAINING ----------------
+            loss = train_step(t, step)
+            watch.observe(loss)
+            for reason in recompiles.drain():
+                log.write(f"warning: torch.compile recompiled after warm-up at step {step + 1}: {reason}")
+            if profiler is not None:
+                profiler.step()
+            log_train_step(t, step + 1, start_step, loss, clock, watch)
     stop.settle()  # every rank started the same agreements, so the last one completes
     return exit_status if exit_status is not None else finish(t, start_step, clock, progress, watch, recompiles)
 
 
-def start_profiler(t: Trainer):
+def profiling(t: Trainer):
+    """The profiler as a context (started on entry, stopped on every way out), or a stand-in that does nothing."""
     if t.args.profile_steps <= 0:
-        return None
-    profiler = make_profiler(t.args, t.rt, Path(t.args.log_dir) / f"{t.run_id}_rank{t.rt.rank}.trace.json")
-    profiler.start()
-    return profiler
+        return contextlib.nullcontext()
+    return make_profiler(t.args, t.rt, Path(t.args.log_dir) / f"{t.run_id}_rank{t.rt.rank}.trace.json")
 
 
 def validate(t: Trainer, step: int, start_step: int, clock: Clock, progress: Progress, watch: FiniteWatch) -> None:
@@ -3183,8 +3176,22 @@ def main(argv: list[str] | None = None) -> int:
               "stopped answering: see its output, then resume from the last checkpoint", file=sys.stderr, flush=True)
         return EXIT_PEER_LOST
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        end_distributed()
+
+
+def end_distributed() -> None:
+    """The one way a run lets go of its process group, on every way out: the pending stop-signal agreement
+    waited for and dropped, objects that still hold the group (meshes, works, in reference cycles) collected,
+    then the group destroyed, which joins gloo's threads. A gloo thread alive when the interpreter exits can
+    take the GIL inside a C++ destructor and abort a finished rank (pytorch/pytorch#190489)."""
+    with contextlib.suppress(RuntimeError, dist.DistError):  # a failed run's error was reported already
+        SIGNALS.settle()
+    if dist.is_initialized():
+        failure = sys.exc_info()[1]  # an error on its way out: its traceback's frames may hold a mesh or work
+        if failure is not None:
+            traceback.clear_frames(failure.__traceback__)
+        gc.collect()
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
