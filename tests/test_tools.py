@@ -13,17 +13,14 @@ import torch
 import torch.nn.functional as F
 
 import train_gpt as T
-from conftest import REPO, TINY, run_trainer
+from conftest import REPO, TIKTOKEN_CACHE, TINY, TOKENIZER_ENV, run_trainer
+from conftest import needs_gpt2_vocab as needs_tokenizer
 from tools import hellaswag as H
 from tools import loading, sample
 from tools.export import export, load_exported
 
 EOT = T.EOT_TOKEN
-TIKTOKEN_CACHE = REPO.parent / "shared" / "data" / "gpt2" / "tiktoken_cache"
 FIXTURE = REPO / "tests" / "fixtures" / "hellaswag" / "hellaswag_fixture.jsonl"
-needs_tokenizer = pytest.mark.skipif(not TIKTOKEN_CACHE.is_dir(),
-                                     reason=f"tiktoken's gpt2 cache not found at {TIKTOKEN_CACHE}")
-TOKENIZER_ENV = {"TIKTOKEN_CACHE_DIR": str(TIKTOKEN_CACHE)}
 
 
 def model_args(*extra):
@@ -64,13 +61,10 @@ def one_error_line(result):
     return lines[0]
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    """A real tiny run's final checkpoint (4 steps on the bundled sample)."""
-    logs = tmp_path_factory.mktemp("run")
-    result = run_trainer(TINY + ["--run_id=ckpt", "--checkpoint_final=true", "--checkpoint_every=2"], logs)
-    assert result.returncode == 0, result.stderr[-2000:]
-    return logs / "ckpt" / "step_000004"
+@pytest.fixture
+def checkpoint(tiny_run):
+    """A real tiny run's final checkpoint (4 steps on the bundled sample; another at step 2 beside it)."""
+    return tiny_run / "tiny" / "step_000004"
 
 
 def test_a_mid_run_checkpoint_runs_with_its_step_s_window(checkpoint):
@@ -116,8 +110,11 @@ def test_v2_model_decodes_from_its_history_with_the_full_forward_logits():
     with torch.no_grad():
         full = model.logits(F.pad(tokens, (0, 84), value=T.EOT_TOKEN), T.window_tensor(2))[0]
     cache = T.KVCache(model, T.window_tensor(2))
-    got = [model.decode(tokens[:100], cache)] + [model.decode(tokens[i:i + 1], cache) for i in range(100, 300)]
-    torch.testing.assert_close(torch.stack(got), full[99:300], atol=2e-5, rtol=1e-5)
+    # one token at a time across the document starts at 150 and 151 and past the 256-token window; a chunk between
+    singles = [*range(140, 160), *range(250, 300)]
+    got = [model.decode(tokens[:140], cache)] + [model.decode(tokens[i:i + 1], cache) for i in range(140, 160)]
+    got += [model.decode(tokens[160:250], cache)] + [model.decode(tokens[i:i + 1], cache) for i in range(250, 300)]
+    torch.testing.assert_close(torch.stack(got), full[[139, *singles[:20], 249, *singles[20:]]], atol=2e-5, rtol=1e-5)
     assert sample.generate(model, tokens[:140].tolist(), 8, 2, temperature=0) == \
         sample.generate(model, tokens[:140].tolist(), 8, 2, temperature=0, kv_cache=False)
 
@@ -413,12 +410,13 @@ def test_sample_at_end_without_a_tokenizer_stops_at_start_up(tmp_path):
 
 SLOW_HELLASWAG = '''
 import sys, time
-sys.path.insert(0, {repo!r})
+sys.path[:0] = [{repo!r}, {repo!r} + "/tests"]
 import train_gpt as T
+from rank_driver import exit_checked
 from tools import hellaswag
 score = hellaswag.score
 hellaswag.score = lambda *a, **k: (time.sleep(4), score(*a, **k))[1]  # a slow eval must not count as training
-sys.exit(T.main())
+exit_checked(T.main())
 '''
 
 
@@ -455,9 +453,8 @@ def v2_checkpoint(tmp_path_factory):
     return logs / "v2" / "step_000004"
 
 
-def test_v2_checkpoint_exports_and_samples_like_the_trained_model(v2_checkpoint, tmp_path):
-    """export round trip bit for bit (the bigram table and every gate; the sign table is rebuilt, not stored),
-    and the sample CLI through decode's history path."""
+def test_v2_checkpoint_exports_like_the_trained_model(v2_checkpoint, tmp_path):
+    """export round trip bit for bit (the bigram table and every gate; the sign table is rebuilt, not stored)."""
     loaded = loading.load_model(v2_checkpoint, "cpu")
     assert loaded.args.recipe == "v2" and loaded.model.bigram_embed is not None and loaded.model.decodes_from_history
     result = tool("export", v2_checkpoint, tmp_path / "out")
@@ -470,6 +467,10 @@ def test_v2_checkpoint_exports_and_samples_like_the_trained_model(v2_checkpoint,
     window = T.window_tensor(loaded.window_blocks)
     with torch.no_grad():
         assert torch.equal(loaded.model.logits(tokens, window), rebuilt.model.logits(tokens, window))
+
+
+@needs_tokenizer
+def test_v2_checkpoint_samples_through_decode_s_history_path(v2_checkpoint):
     sampled = tool("sample", v2_checkpoint, "--prompt", "The President", "--max_new_tokens", 8,
                    "--temperature", 0, env=TOKENIZER_ENV)
     assert sampled.returncode == 0, sampled.stderr

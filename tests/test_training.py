@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import train_gpt as T
-from conftest import REPO, only_log, run_trainer, train_losses, val_losses
+from conftest import REPO, SIX, only_log, run_main, run_trainer, train_losses, val_losses
 
 ONE_THREAD = {**os.environ, "OMP_NUM_THREADS": "1"}
 
@@ -29,9 +29,8 @@ WORLD_SIZE_TOLERANCE = 2e-3
 STATE_TOLERANCE = 2e-2
 
 
-def test_cpu_run_writes_a_complete_log_and_summary(tmp_path, tiny):
-    result = run_trainer(tiny + ["--run_id=tiny"], tmp_path)
-    assert result.returncode == 0, result.stderr
+def test_cpu_run_writes_a_complete_log_and_summary(tiny_run):
+    tmp_path = tiny_run
     log = (tmp_path / "tiny.txt").read_text()
     source = (REPO / "train_gpt.py").read_text()
     assert "==== train_gpt.py ====\n" + source in log
@@ -50,7 +49,7 @@ def test_cpu_run_writes_a_complete_log_and_summary(tmp_path, tiny):
 
 
 def test_same_seed_gives_the_same_losses(tmp_path, tiny):
-    runs = [run_trainer(tiny + [f"--run_id=r{i}", "--num_iterations=2", "--val_every=0"], tmp_path) for i in range(2)]
+    runs = [run_main(tiny + [f"--run_id=r{i}", "--num_iterations=2", "--val_every=0"], tmp_path) for i in range(2)]
     assert all(r.returncode == 0 for r in runs)
     first, second = (train_losses((tmp_path / f"r{i}.txt").read_text()) for i in range(2))
     assert first == second and len(first) == 2
@@ -59,8 +58,9 @@ def test_same_seed_gives_the_same_losses(tmp_path, tiny):
 DRIVER = textwrap.dedent('''
     """Runs train_gpt.main with one deliberate fault, to prove the equivalence test catches it."""
     import sys
-    sys.path.insert(0, {repo!r})
+    sys.path[:0] = [{repo!r}, {repo!r} + "/tests"]
     import train_gpt as T
+    from rank_driver import exit_checked
     fault = sys.argv.pop(1)
     if fault == "missing_average":
         step = T.Optimizers.step
@@ -74,29 +74,24 @@ DRIVER = textwrap.dedent('''
             chunks = [self.stream.take(self.seq_len, self.bos_align) for _ in range(self.world_size * accum)]
             return [T.to_device(chunks[i], self.device) for i in range(0, len(chunks), self.world_size)]
         T.DistributedTokenLoader.next_batch = same_data_everywhere
-    status = T.main()
-    # a collective still pending when the interpreter exits aborted a finished rank at random
-    sys.exit(status or (3 if T.SIGNALS._pending is not None else 0))
+    exit_checked(T.main())
 ''')
 
 
-def losses_with(tmp_path, tiny, nproc, fault=None):
-    args = tiny + ["--num_iterations=4", "--val_every=0", f"--run_id=ws{nproc}{fault or ''}",
-                   "--checkpoint_final=true"]
-    if fault:
-        driver = tmp_path / "driver.py"
-        driver.write_text(DRIVER.format(repo=str(REPO)))
-        result = run_trainer([fault] + args, tmp_path, nproc=nproc, driver=driver)
-    else:
-        result = run_trainer(args, tmp_path, nproc=nproc)
+def losses_with_fault(tmp_path, fault):
+    """The session's six-step runs (SIX, final checkpoint), on two ranks with one deliberate fault."""
+    driver = tmp_path / "driver.py"
+    driver.write_text(DRIVER.format(repo=str(REPO)))
+    result = run_trainer([fault] + SIX + [f"--run_id={fault}", "--checkpoint_final=true"], tmp_path, nproc=2,
+                         driver=driver)
     assert result.returncode == 0, result.stderr[-2000:]
-    return train_losses((tmp_path / f"ws{nproc}{fault or ''}.txt").read_text())
+    return train_losses((tmp_path / f"{fault}.txt").read_text())
 
 
-def optimizer_state(tmp_path, run_id, world_size):
+def optimizer_state(tmp_path, run_id, step=4):
     """Adam masters and moments, Muon momenta and NorMuon's second moments (when on) after the run, as whole
     tensors (DCP joins the shards)."""
-    folder = tmp_path / run_id / "step_000004"
+    folder = tmp_path / run_id / f"step_{step:06d}"
     state = {f"adam {name}": t.float() for name, t in T.read_checkpoint_tensors(folder, "adam/").items()
              if not name.endswith("/step")}
     for prefix in ("muon/", "normuon/"):
@@ -109,18 +104,19 @@ def worst_state_error(a, b):
     return max(((a[k] - b[k]).norm() / b[k].norm().clamp_min(1e-30)).item() for k in a)
 
 
-def test_one_and_two_ranks_give_the_same_losses_and_faults_are_caught(tmp_path, tiny):
-    one, two = losses_with(tmp_path, tiny, 1), losses_with(tmp_path, tiny, 2)
-    assert sorted(one) == sorted(two) == [1, 2, 3, 4]
+def test_one_and_two_ranks_give_the_same_losses_and_faults_are_caught(tmp_path, six_steps_one_rank,
+                                                                      six_steps_two_ranks):
+    one, two = (train_losses((run / "whole.txt").read_text()) for run in (six_steps_one_rank, six_steps_two_ranks))
+    assert sorted(one) == sorted(two) == [1, 2, 3, 4, 5, 6]
     for step in one:
         assert abs(one[step] - two[step]) < WORLD_SIZE_TOLERANCE, (step, one, two)
     # Losses barely see a gradient scale (Adam and Muon normalise it away); the optimizer state does.
-    state_one = optimizer_state(tmp_path, "ws1", 1)
-    assert worst_state_error(optimizer_state(tmp_path, "ws2", 2), state_one) < STATE_TOLERANCE
-    broken = losses_with(tmp_path, tiny, 2, "wrong_shard")
+    state_one = optimizer_state(six_steps_one_rank, "whole", 6)
+    assert worst_state_error(optimizer_state(six_steps_two_ranks, "whole", 6), state_one) < STATE_TOLERANCE
+    broken = losses_with_fault(tmp_path, "wrong_shard")
     assert max(abs(broken[s] - one[s]) for s in one) > 10 * WORLD_SIZE_TOLERANCE, (one, broken)
-    losses_with(tmp_path, tiny, 2, "missing_average")
-    assert worst_state_error(optimizer_state(tmp_path, "ws2missing_average", 2), state_one) > 0.5
+    losses_with_fault(tmp_path, "missing_average")
+    assert worst_state_error(optimizer_state(tmp_path, "missing_average", 6), state_one) > 0.5
 
 
 # Every recipe-v2 switch at once on a tiny shape: a 2-stage batch ramp (2 then 4 sequences of 256), capped
@@ -148,7 +144,7 @@ def test_recipe_v2_gives_the_same_losses_and_state_on_one_and_two_ranks(tmp_path
         assert [ablation.tokens_before(summary, s) for s in range(5)] == [0, 512, 1024, 2048, 3072]
     assert sorted(runs[1]) == sorted(runs[2]) == [1, 2, 3, 4]
     assert all(abs(runs[1][s] - runs[2][s]) < WORLD_SIZE_TOLERANCE for s in runs[1]), runs
-    one, two = optimizer_state(tmp_path, "v2ws1", 1), optimizer_state(tmp_path, "v2ws2", 2)
+    one, two = optimizer_state(tmp_path, "v2ws1"), optimizer_state(tmp_path, "v2ws2")
     assert any(k.startswith("normuon/") for k in one)
     squares = lambda state, keep: {k: v for k, v in state.items()  # noqa: E731
                                    if (k.startswith("normuon/") or k.endswith("exp_avg_sq")) == keep}
@@ -167,15 +163,23 @@ def test_recipe_v2_gives_the_same_losses_and_state_on_one_and_two_ranks(tmp_path
     ("--batch_tokens=700", "world size 1 cannot split --batch_tokens=700"),
 ])
 def test_bad_input_is_one_line_without_a_traceback(tmp_path, tiny, flag, message):
-    result = run_trainer(tiny + [flag], tmp_path)
+    result = run_main(tiny + [flag], tmp_path)
     assert result.returncode == 2
     assert message in result.stderr
     assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1
 
 
+def test_a_refusal_reaches_the_terminal_as_one_line(tmp_path, tiny):
+    """The same through a real interpreter (the tests above run main() in-process): nothing else is printed."""
+    result = run_trainer(tiny + ["--no_such_flag=1"], tmp_path)
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr.strip().splitlines() == [result.stderr.strip()]
+    assert result.stderr.startswith("error: unknown argument '--no_such_flag=1'; valid: --preset=")
+
+
 def test_nan_loss_stops_the_run_naming_the_step(tmp_path, tiny):
     # A finite but absurd lr (a NaN one is refused at start-up) overflows the scalars in one step.
-    result = run_trainer(tiny + ["--scalar_lr=1e38", "--val_every=0"], tmp_path)
+    result = run_main(tiny + ["--scalar_lr=1e38", "--val_every=0"], tmp_path)
     assert result.returncode == 2
     assert "training loss is nan at step 2" in result.stderr
     assert "Traceback" not in result.stderr
@@ -189,18 +193,18 @@ def test_impossible_world_size_is_refused_with_the_sizes_that_work(tmp_path, tin
     assert "world sizes that work: [1, 3]" in result.stderr
 
 
-@pytest.mark.parametrize("mode", ["loss", "model"])
-def test_compiled_runs_match_eager_on_cpu(tmp_path, tiny, mode):
+def test_compiled_runs_match_eager_on_cpu(tmp_path, tiny):
     """--compile=loss (the CPU default) and --compile=model give the eager losses up to kernel rounding."""
     runs = {}
-    for compile_mode in ("off", mode):
+    for compile_mode in ("off", "loss", "model"):
         result = run_trainer(tiny + [f"--compile={compile_mode}", f"--run_id={compile_mode}", "--num_iterations=2",
                                      "--val_every=0"], tmp_path)
         assert result.returncode == 0, result.stderr[-2000:]
         assert f"compile {compile_mode}" in result.stdout
         runs[compile_mode] = train_losses((tmp_path / f"{compile_mode}.txt").read_text())
-    assert sorted(runs[mode]) == [1, 2]
-    assert all(abs(runs[mode][s] - runs["off"][s]) < 2e-3 for s in runs["off"])
+    for mode in ("loss", "model"):
+        assert sorted(runs[mode]) == [1, 2]
+        assert all(abs(runs[mode][s] - runs["off"][s]) < 2e-3 for s in runs["off"]), (mode, runs)
 
 
 def test_two_nodes_of_one_process_equal_one_node_of_two(tmp_path, tiny):
