@@ -10,7 +10,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import textwrap
 import time
 from dataclasses import fields
 from pathlib import Path
@@ -19,7 +18,7 @@ import pytest
 import torch
 
 import train_gpt as T
-from conftest import REPO, TINY, run_trainer, start_two_ranks_until_step_3, train_losses
+from conftest import REPO, TINY, run_main, run_trainer, start_two_ranks_until_step_3, train_losses
 
 
 def one_line_error(result, code=2):
@@ -35,21 +34,11 @@ def all_finite(ckpt: Path) -> bool:
 
 
 # 1. A diverging run must not rotate its good checkpoints away (log_train_loss=false hides NaN until val).
-NAN_FROM_STEP = textwrap.dedent('''
-    import sys
-    sys.path.insert(0, {repo!r})
-    import train_gpt as T
+def test_1_divergence_keeps_the_good_checkpoints(tmp_path, monkeypatch):
     real = T.lr_multiplier
-    T.lr_multiplier = lambda step, *a: float("nan") if step >= 4 else real(step, *a)
-    sys.exit(T.main())
-''')
-
-
-def test_1_divergence_keeps_the_good_checkpoints(tmp_path):
-    driver = tmp_path / "nan_driver.py"
-    driver.write_text(NAN_FROM_STEP.format(repo=str(REPO)))
-    result = run_trainer(TINY + ["--num_iterations=8", "--val_every=0", "--log_train_loss=false", "--run_id=div",
-                                 "--checkpoint_every=1", "--checkpoint_keep=2"], tmp_path, driver=driver)
+    monkeypatch.setattr(T, "lr_multiplier", lambda step, *a: float("nan") if step >= 4 else real(step, *a))
+    result = run_main(TINY + ["--num_iterations=8", "--val_every=0", "--log_train_loss=false", "--run_id=div",
+                              "--checkpoint_every=1", "--checkpoint_keep=2"], tmp_path)
     line = one_line_error(result)
     kept = sorted((tmp_path / "div").glob("step_*"))
     assert [c.name for c in kept] == ["step_000003", "step_000004"] and all(all_finite(c) for c in kept)
@@ -57,15 +46,6 @@ def test_1_divergence_keeps_the_good_checkpoints(tmp_path):
 
 
 # 2. A checkpoint with flipped bytes is refused; --resume=latest falls back to the previous one.
-@pytest.fixture(scope="module")
-def two_checkpoints(tmp_path_factory):
-    log_dir = tmp_path_factory.mktemp("two")
-    result = run_trainer(TINY + ["--num_iterations=2", "--val_every=0", "--run_id=two", "--checkpoint_every=1",
-                                 "--checkpoint_final=true"], log_dir)
-    assert result.returncode == 0, result.stderr[-2000:]
-    return log_dir
-
-
 def copy_run(src: Path, dst: Path) -> Path:
     shutil.copytree(src, dst)
     return dst
@@ -78,17 +58,17 @@ def flip_bytes(file: Path, count=64):
     file.write_bytes(bytes(data))
 
 
-def test_2_corrupt_checkpoint_is_refused_and_latest_falls_back(tmp_path, two_checkpoints):
-    log_dir = copy_run(two_checkpoints, tmp_path / "logs")
-    newest, previous = log_dir / "two" / "step_000002", log_dir / "two" / "step_000001"
+def test_2_corrupt_checkpoint_is_refused_and_latest_falls_back(tmp_path, tiny_run):
+    log_dir = copy_run(tiny_run, tmp_path / "logs")
+    newest, previous = log_dir / "tiny" / "step_000004", log_dir / "tiny" / "step_000002"
     os.utime(newest, (time.time() + 10, time.time() + 10))  # copytree does not keep the order of mtimes
     flip_bytes(newest / "__0_0.distcp")
-    line = one_line_error(run_trainer(TINY + ["--num_iterations=3", f"--resume={newest}"], log_dir))
+    line = one_line_error(run_main(TINY + ["--num_iterations=5", f"--resume={newest}"], log_dir))
     assert "does not match the sha256 in checkpoint.json" in line
-    result = run_trainer(TINY + ["--num_iterations=3", "--val_every=0", "--resume=latest"], log_dir)
+    result = run_main(TINY + ["--num_iterations=5", "--val_every=0", "--resume=latest"], log_dir)
     assert result.returncode == 0, result.stderr[-2000:]
     assert f"--resume=latest: falling back to {previous}" in result.stdout
-    assert f"resumed from {previous} at step 1" in result.stdout
+    assert f"resumed from {previous} at step 2" in result.stdout
 
 
 # 3. A full disk: one line, no partial file or staging folder left, the earlier checkpoint intact.
@@ -119,7 +99,7 @@ def test_3_stale_staging_folders_are_removed_at_the_next_start(tmp_path):
     stale = tmp_path / "killed" / "step_000003.tmp"
     stale.mkdir(parents=True)
     (stale / "__0_0.distcp").write_bytes(b"\0" * 4096)
-    result = run_trainer(TINY + ["--num_iterations=1", "--val_every=0", "--run_id=next"], tmp_path)
+    result = run_main(TINY + ["--num_iterations=1", "--val_every=0", "--run_id=next"], tmp_path)
     assert result.returncode == 0, result.stderr[-2000:]
     assert not stale.exists() and f"removed stale checkpoint staging folder {stale}" in result.stdout
 
@@ -145,22 +125,22 @@ def test_4_signal_during_warmup_is_one_line_and_logged(tmp_path, sig):
 
 
 # 5 and 6. Resume semantics and bad checkpoint state.
-def test_5_resume_at_the_end_is_refused(tmp_path, two_checkpoints):
-    line = one_line_error(run_trainer(TINY + ["--num_iterations=2", "--resume=latest"], two_checkpoints))
-    assert "at or past --num_iterations=2: nothing is left to train" in line
+def test_5_resume_at_the_end_is_refused(tmp_path, tiny_run):
+    line = one_line_error(run_main(TINY + ["--num_iterations=4", "--resume=latest"], copy_run(tiny_run, tmp_path / "l")))
+    assert "at or past --num_iterations=4: nothing is left to train" in line
 
 
-def test_6_truncated_metadata_is_one_line(tmp_path, two_checkpoints):
-    log_dir = copy_run(two_checkpoints, tmp_path / "logs")
-    meta = log_dir / "two" / "step_000002" / "checkpoint.json"
+def test_6_truncated_metadata_is_one_line(tmp_path, tiny_run):
+    log_dir = copy_run(tiny_run, tmp_path / "logs")
+    meta = log_dir / "tiny" / "step_000002" / "checkpoint.json"
     meta.write_text(meta.read_text()[:100])
-    line = one_line_error(run_trainer(TINY + ["--num_iterations=3", f"--resume={meta.parent}"], log_dir))
+    line = one_line_error(run_main(TINY + ["--num_iterations=3", f"--resume={meta.parent}"], log_dir))
     assert "unreadable checkpoint.json (JSONDecodeError): it is truncated or corrupt" in line
 
 
-def test_6_optimizer_flags_are_checked_like_model_shape(two_checkpoints):
-    line = one_line_error(run_trainer(TINY + ["--num_iterations=3", "--muon=false",
-                                              f"--resume={two_checkpoints / 'two' / 'step_000002'}"], two_checkpoints))
+def test_6_optimizer_flags_are_checked_like_model_shape(tmp_path, tiny_run):
+    line = one_line_error(run_main(TINY + ["--num_iterations=3", "--muon=false",
+                                           f"--resume={tiny_run / 'tiny' / 'step_000002'}"], tmp_path))
     assert "has muon=True but this run has muon=False; pass the same optimizer flags" in line
 
 
@@ -228,7 +208,7 @@ def test_7_every_flag_is_validated(name):
                                   "--n_head=0"])
 def test_7_bad_flags_are_refused_before_any_work(tmp_path, flag):
     started = time.time()
-    line = one_line_error(run_trainer(TINY + [flag], tmp_path))
+    line = one_line_error(run_main(TINY + [flag], tmp_path))
     assert line.startswith(f"error: bad value") and f"for {flag.split('=')[0]};" in line
     assert not list(tmp_path.glob("*.txt")) and time.time() - started < 60  # refused before the run log opens
 
@@ -249,11 +229,11 @@ def test_8_sigterm_on_one_rank_without_checkpoints_stops_all(tmp_path):
 
 # 9. Disk use is bounded: a resumed run writes into the same run folder, so checkpoint_keep caps the total.
 def test_9_resumes_reuse_the_run_folder(tmp_path):
-    first = run_trainer(TINY + ["--num_iterations=6", "--val_every=0", "--stop_after=2", "--checkpoint_keep=1"],
-                        tmp_path)
+    first = run_main(TINY + ["--num_iterations=6", "--val_every=0", "--stop_after=2", "--checkpoint_keep=1"],
+                     tmp_path)
     assert first.returncode == 0, first.stderr[-2000:]
     for stop in (3, 4):
-        again = run_trainer(TINY + ["--num_iterations=6", "--val_every=0", f"--stop_after={stop}",
+        again = run_main(TINY + ["--num_iterations=6", "--val_every=0", f"--stop_after={stop}",
                                     "--checkpoint_keep=1", "--resume=latest"], tmp_path)
         assert again.returncode == 0, again.stderr[-2000:]
     runs = [p for p in tmp_path.iterdir() if p.is_dir()]
@@ -264,7 +244,7 @@ def test_9_resumes_reuse_the_run_folder(tmp_path):
 # 10. A run id is a plain name: nothing is written outside --log_dir.
 def test_10_run_id_with_path_separators_is_refused(tmp_path):
     logs = tmp_path / "a" / "b"
-    line = one_line_error(run_trainer(TINY + ["--run_id=../../x"], logs))
+    line = one_line_error(run_main(TINY + ["--run_id=../../x"], logs))
     assert "bad value '../../x' for --run_id" in line and "no path separators" in line
     assert not (tmp_path / "x.txt").exists() and not list(tmp_path.rglob("*.txt"))
 

@@ -13,15 +13,10 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+from conftest import needs_cuda  # noqa: E402
+
 EOT = T.EOT_TOKEN
 BLOCK = T.BLOCK_SIZE
-
-
-def needs_cuda(what, available=torch.cuda.is_available()):
-    """Marks a GPU-only test: selected by `pytest -m gpu`, skipped with a visible reason without one."""
-    def mark(test):
-        return pytest.mark.gpu(pytest.mark.skipif(not available, reason=f"needs a CUDA GPU: {what}")(test))
-    return mark
 
 
 def small_args(*extra):

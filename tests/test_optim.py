@@ -240,16 +240,22 @@ def test_muon_two_steps_match_reference(extra):
         before = after
 
 
-def adam_reference(p, g, state, lr, t, betas=(0.8, 0.95), eps=1e-10, wd=0.0, cautious_wd=0.0):
+def adam_reference(p, g, state, lr, t, betas=(0.8, 0.95), eps=1e-10, wd=0.0, cautious_wd=0.0, tie_moment=None):
     """Bias-corrected Adam with decoupled (lr-scaled) weight decay, in float64. Cautious decay
     (2025-11-10_CautiousWD, 2025-12-18_CautiousWDAdam) has the scheduled strength lr * wd, decoupled
-    (times lr again), and touches only the weights whose sign the new first moment shares."""
-    m, v = state
+    (times lr again), and touches only the weights whose sign the new first moment shares.
+
+    Where the new moment is a cancellation (b1 * m and (1 - b1) * g nearly equal and opposite), its sign is
+    the rounding's, not the math's: there the sign comes from tie_moment (the implementation's fp32 moment),
+    so that a tie decided the other way (processors round differently) does not flip an 18% decay."""
+    m_prev, v = state
     b1, b2 = betas
-    m = b1 * m + (1 - b1) * g
+    m = b1 * m_prev + (1 - b1) * g
     v = b2 * v + (1 - b2) * g * g
     m_hat, v_hat = m / (1 - b1 ** t), v / (1 - b2 ** t)
-    agree = (m * p >= 0).double()
+    tie = m.abs() <= 8 * 2 ** -24 * (b1 * m_prev.abs() + (1 - b1) * g.abs())
+    sign_from = torch.where(tie, tie_moment.double(), m) if tie_moment is not None else m
+    agree = (sign_from * p >= 0).double()
     p = p * (1 - lr * wd) - lr * (lr * cautious_wd) * agree * p - lr * m_hat / (v_hat.sqrt() + eps)
     return p, (m, v)
 
@@ -266,10 +272,12 @@ def check_adam_steps(extra, expected_lr, expected_wd, steps=((1.0, 0.85), (0.3, 
         opt.step(lr_mult, momentum, 1)
         model.zero_grad(set_to_none=False)
         got = dict(model.named_parameters())
+        moments = opt.state_tensors()
         for n in ref:
             ref[n], state[n] = adam_reference(ref[n], grads[n].double(), state[n], lrs[n] * lr_mult, t,
                                               betas=expected_betas(n), wd=expected_wd(n),
-                                              cautious_wd=expected_cautious_wd(n))
+                                              cautious_wd=expected_cautious_wd(n),
+                                              tie_moment=T.local_part(moments[f"adam/{n}/exp_avg"]).view_as(ref[n]))
             if dtypes[n] == torch.bfloat16:  # bf16 parameter, fp32 master: within one bf16 step (2^-7 relative:
                 # a master a hair from a rounding boundary can land on the reference's neighbour)
                 torch.testing.assert_close(got[n].detach(), ref[n].to(torch.bfloat16), rtol=2 ** -7, atol=1e-6)

@@ -13,11 +13,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from conftest import TIKTOKEN_CACHE
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SAMPLE = REPO_ROOT / "data" / "sample"
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
 CORPUS = SHARED / "corpora" / "state_of_the_union.txt"
-TIKTOKEN_CACHE = SHARED / "gpt2" / "tiktoken_cache"
 FILES = ["sotu_val_000000.bin", "sotu_train_000001.bin"]
 VAL_TOKENS = 262_144
 TOTAL_TOKENS = 2_074_288

@@ -16,22 +16,19 @@ from pathlib import Path
 
 import pytest
 
+from conftest import TIKTOKEN_CACHE, needs_gpt2_vocab, skip_without_gpt2_vocab
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 PROGRAM = REPO_ROOT / "data" / "fineweb.py"
-TIKTOKEN_CACHE = Path(__file__).resolve().parents[2] / "shared/data/gpt2/tiktoken_cache"
 EOT = 50256
 
 # Tests that encode text need the GPT-2 ranks; the ones that fail before encoding do not.
-needs_gpt2 = pytest.mark.skipif(
-    not TIKTOKEN_CACHE.is_dir(),
-    reason=f"tiktoken's gpt2 cache not found at {TIKTOKEN_CACHE}; the GPT-2 encoding cannot be loaded offline",
-)
+needs_gpt2 = needs_gpt2_vocab
 
 
 @pytest.fixture(scope="module")
 def enc():
-    if not TIKTOKEN_CACHE.is_dir():
-        pytest.skip(f"tiktoken's gpt2 cache not found at {TIKTOKEN_CACHE}; the GPT-2 encoding cannot be loaded offline")
+    skip_without_gpt2_vocab()
     import tiktoken
 
     with pytest.MonkeyPatch.context() as mp:
