@@ -12,7 +12,6 @@ The other tools take out_dir wherever they take a checkpoint.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import os
@@ -24,8 +23,8 @@ import torch
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tools.loading import (EXPORT_CONFIG, EXPORT_WEIGHTS, LoadedModel, T, build, hyperparameters_from,  # noqa: E402
-                           load_model, pick_device)
+from tools.loading import (EXPORT_CONFIG, EXPORT_WEIGHTS, LoadedModel, OneLineArgumentParser, T, build,  # noqa: E402,E501
+                           hyperparameters_from, load_model, pick_device)
 
 FORMAT = "gpt2-speedrun"
 FORMAT_VERSION = 1
@@ -39,10 +38,39 @@ def safetensors_torch():
     return safetensors.torch
 
 
-def export(loaded: LoadedModel, out_dir: Path) -> None:
+def check_out_dir(out_dir: Path, overwrite: bool) -> None:
+    """Refuses a folder that holds a file of the export's names: a user's own file is never replaced, and an
+    earlier export only with overwrite."""
+    existing = [name for name in (EXPORT_WEIGHTS, EXPORT_CONFIG) if (out_dir / name).exists()]
+    if existing and not overwrite:
+        raise T.UsageError(f"{out_dir} already holds {' and '.join(existing)}; pick an empty folder, or pass "
+                           "--overwrite to replace an earlier export there")
+    if existing and not is_export(out_dir):
+        raise T.UsageError(f"{out_dir / EXPORT_CONFIG} is not a {FORMAT} export; it is left as is: pick another "
+                           "folder")
+
+
+def is_export(out_dir: Path) -> bool:
+    try:
+        return json.loads((out_dir / EXPORT_CONFIG).read_text()).get("format") == FORMAT
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def export(loaded: LoadedModel, out_dir: Path, overwrite: bool = False) -> None:
     """Weights and config, each written to a temporary name first, so a failure leaves no half export."""
     st = safetensors_torch()
-    out_dir.mkdir(parents=True, exist_ok=True)
+    check_out_dir(out_dir, overwrite)
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        write_export(st, loaded, out_dir)
+    except OSError as e:
+        raise T.UsageError(f"cannot write the export into {out_dir} ({e.strerror or type(e).__name__}); pick a "
+                           "writable folder") from None
+
+
+def write_export(st, loaded: LoadedModel, out_dir: Path) -> None:
+    """model.safetensors and config.json, each under a .part name until it is whole."""
     state = {name: t.detach().cpu().contiguous() for name, t in loaded.model.state_dict().items()}
     config = {"format": FORMAT, "format_version": FORMAT_VERSION, "step": loaded.step,
               "window_blocks": loaded.window_blocks, "hyperparameters": dataclasses.asdict(loaded.args),
@@ -73,13 +101,15 @@ def load_exported(out_dir: str | Path, device: str | torch.device = "cpu", windo
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = OneLineArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("checkpoint", help="step_N/ folder of train_gpt.py")
     p.add_argument("out_dir")
+    p.add_argument("--overwrite", action="store_true", help="replace an earlier export in out_dir")
     opts = p.parse_args(argv)
     safetensors_torch()
+    check_out_dir(Path(opts.out_dir), opts.overwrite)  # before the minutes of loading
     loaded = load_model(opts.checkpoint, "cpu")
-    export(loaded, Path(opts.out_dir))
+    export(loaded, Path(opts.out_dir), opts.overwrite)
     size = (Path(opts.out_dir) / EXPORT_WEIGHTS).stat().st_size
     print(f"exported {loaded.source} (step {loaded.step}) to {opts.out_dir}/: {EXPORT_WEIGHTS} "
           f"{size / 2**20:.1f} MiB, {EXPORT_CONFIG}")

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tools.loading import T, gpt2_tokenizer, load_model  # noqa: E402
+from tools.loading import OneLineArgumentParser, T, gpt2_tokenizer, load_model  # noqa: E402
 
 COMMIT = "a29ff8e9a04bba4bd6588223785ce105328adc57"  # github.com/rowanz/hellaswag
 URL = f"https://raw.githubusercontent.com/rowanz/hellaswag/{COMMIT}/data/hellaswag_val.jsonl"
@@ -97,9 +97,10 @@ def read_examples(path: Path) -> list[Example]:
             continue
         try:
             row = json.loads(line)
-            example = Example(row["ctx"], list(row["endings"]), int(row["label"]))
-            ok = isinstance(example.context, str) and len(example.endings) == 4 and 0 <= example.label < 4 and \
-                all(isinstance(e, str) for e in example.endings)
+            # a list of 4 strings: a 4-letter string would pass list() as 4 one-letter endings
+            example = Example(row["ctx"], row["endings"], int(row["label"]))
+            ok = isinstance(example.context, str) and isinstance(example.endings, list) and \
+                len(example.endings) == 4 and 0 <= example.label < 4 and all(isinstance(e, str) for e in example.endings)
         except (ValueError, KeyError, TypeError):
             ok = False
         if not ok:
@@ -211,7 +212,7 @@ def load_items(data: str, max_tokens: int, cache_dir: Path | None = None) -> tup
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = OneLineArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("checkpoint", help="step_N/ folder of train_gpt.py, or a tools/export.py folder")
     p.add_argument("--data", default="", help=f"a local HellaSwag JSONL file (default: the pinned {FILE_NAME})")
     p.add_argument("--cache_dir", default="", help=f"where the download is kept (default {default_cache_dir()})")

@@ -6,8 +6,8 @@ weights, so any model flag train_gpt.py gains flows through without a change her
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
-import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +19,14 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 import train_gpt as T  # noqa: E402
+
+class OneLineArgumentParser(argparse.ArgumentParser):
+    """argparse for the tools: a bad argument is the one 'error: ...' line (exit 2) that T.run_cli prints for
+    every usage error, not argparse's usage block; --help still prints the whole usage."""
+
+    def error(self, message: str):
+        raise T.UsageError(f"{message} (see {self.prog} --help)")
+
 
 EXPORT_CONFIG = "config.json"
 EXPORT_WEIGHTS = "model.safetensors"
@@ -110,10 +118,11 @@ def build(args: T.Hyperparameters, state: dict, step: int, device: torch.device,
 
 
 def load_checkpoint(path: Path, device: torch.device, window: str = "step") -> LoadedModel:
-    """A step_N/ folder of train_gpt.py: checkpoint.json and the model weights of its DCP files."""
-    meta = json.loads((path / T.CHECKPOINT_META).read_text())
+    """A step_N/ folder of train_gpt.py: checkpoint.json (validated by the trainer's reader) and the model weights
+    of its DCP files (each file's size and sha256 verified first, as the trainer verifies them)."""
+    meta = T.read_checkpoint_meta(path)
     args = hyperparameters_from(meta["hyperparameters"], path / T.CHECKPOINT_META)
-    return build(args, T.read_checkpoint_tensors(path), int(meta["step"]), device, window, path)
+    return build(args, T.read_checkpoint_tensors(path), meta["step"], device, window, path)
 
 
 def load_model(path: str | Path, device: str | torch.device = "auto", window: str = "step") -> LoadedModel:

@@ -20,7 +20,7 @@ import torch
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tools.loading import T, gpt2_tokenizer, load_model  # noqa: E402
+from tools.loading import OneLineArgumentParser, T, gpt2_tokenizer, load_model  # noqa: E402
 
 EOT = T.EOT_TOKEN
 END_OF_RUN_TOKENS = 64  # --sample_at_end: short samples from a document start ...
@@ -99,7 +99,7 @@ def end_of_run_samples(model: T.GPT, n: int, window_blocks: int, seed: int) -> l
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = OneLineArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("checkpoint", help="step_N/ folder of train_gpt.py, or a tools/export.py folder")
     p.add_argument("--prompt", default="", help="text the samples continue (default: none, a fresh document)")
     p.add_argument("--max_new_tokens", type=int, default=100)
