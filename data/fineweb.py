@@ -26,6 +26,7 @@ skipped.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -382,6 +383,7 @@ def run(argv: list[str] | None = None) -> int:
     old = existing_shards(out_dir, name)
     if old and not args.overwrite:
         raise UsageError(f"{out_dir} already holds {len(old)} shard(s) named {name}_*; pass --overwrite to replace them")
+    created = [folder for folder in (out_dir, *out_dir.parents) if not folder.exists()]  # deepest first
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -406,17 +408,19 @@ def run(argv: list[str] | None = None) -> int:
             num_docs += n
             bar.update(tokens.size)
         writer.close()
+        if num_docs == 0:
+            raise UsageError("the input holds no documents")
     except BaseException:
-        # Leave no half-finished set of shards behind.
+        # Leave no half-finished set of shards behind, nor the folders this run created for them.
         for path, _ in writer.written:
             path.unlink(missing_ok=True)
+        for folder in created:
+            with contextlib.suppress(OSError):  # not empty: something else was put there meanwhile
+                folder.rmdir()
         raise
     finally:
         bar.close()
     seconds = time.perf_counter() - start
-
-    if num_docs == 0:
-        raise UsageError("the input holds no documents")
     new = {path for path, _ in writer.written}
     for path in old:
         if path not in new:

@@ -87,7 +87,9 @@ class Run:
     final_val_loss: float
     steps: int | None = None
     tokens: int | None = None
-    train_time_ms: float | None = None
+    train_time_ms: float | None = None  # of the last launch (segment) of the run
+    total_train_time_ms: float | None = None  # of all its segments, when it was resumed
+    resumes: int = 0
     world_size: int | None = None
     devices: list[str] = field(default_factory=list)
     peak_memory_mib: float | None = None
@@ -113,6 +115,8 @@ class Run:
             "tokens": self.tokens,
             "final_val_loss": _finite_or_none(self.final_val_loss),
             "train_time_ms": self.train_time_ms,
+            "total_train_time_ms": self.total_train_time_ms,
+            "resumes": self.resumes,
             "peak_memory_mib": self.peak_memory_mib,
             "energy_j": self.energy_j,
             "energy_kwh": self.energy_kwh,
@@ -220,6 +224,8 @@ def parse_project_txt(path: Path, text: str) -> Run:
         steps=int(final["steps"]) if "steps" in final else (last[1] if last else None),
         tokens=int(final["tokens"]) if "tokens" in final else None,
         train_time_ms=final.get("train_time"),
+        total_train_time_ms=final.get("total_train_time"),
+        resumes=int(final.get("resumes", 0)),
         hyperparameters=hyper,
         val_curve=curve,
         preset=hyper.get("preset"),
@@ -342,6 +348,8 @@ def parse_json(path: Path) -> Run:
         steps=_opt_num(data, "steps", int),
         tokens=_opt_num(data, "tokens", int),
         train_time_ms=_opt_num(data, "train_time_ms"),
+        total_train_time_ms=_opt_num(data, "total_train_time_ms"),
+        resumes=_opt_num(data, "resumes", int) or 0,
         world_size=_opt_num(data, "world_size", int),
         devices=[str(d) for d in devices] if isinstance(devices, list) else [str(devices)],
         peak_memory_mib=_opt_num(data, "peak_memory_mib"),
@@ -361,7 +369,7 @@ def merge(from_json: Run, from_txt: Run) -> Run:
     run.paths = from_txt.paths + from_json.paths
     if not run.val_curve:
         run.val_curve = from_txt.val_curve
-    for name in ("steps", "tokens", "train_time_ms", "world_size", "peak_memory_mib",
+    for name in ("steps", "tokens", "train_time_ms", "total_train_time_ms", "world_size", "peak_memory_mib",
                  "energy_j", "energy_kwh", "tokens_per_kwh", "preset"):
         if getattr(run, name) is None:
             setattr(run, name, getattr(from_txt, name))
@@ -530,17 +538,19 @@ def _cell(text: str) -> str:
 def render_table(runs: list[Run], grouped: bool) -> str:
     headers = ["run"] + (["group"] if grouped else []) + [
         "devices", "world size", "steps", "tokens", "final val loss",
-        "train time (s)", "energy (kWh)", "tokens/kWh"]
+        "train time (s)", "resumes", "energy (kWh)", "tokens/kWh"]
     rows = []
     for r in runs:
-        time_s = None if r.train_time_ms is None else r.train_time_ms / 1000.0
+        ms = r.total_train_time_ms if r.resumes else r.train_time_ms  # a resumed run: all of its segments
+        time_s = None if ms is None else ms / 1000.0
         row = [r.name] + ([r.group] if grouped else []) + [
             describe_devices(r.devices),
             _fmt(r.world_size, "d"),
             _fmt(r.steps, "d"),
             _fmt(r.tokens, "d"),
             _fmt(r.final_val_loss, ".4f"),
-            _fmt(time_s, ".2f"),
+            _fmt(time_s, ".2f") + (" (total)" if r.resumes and ms is not None else ""),
+            _fmt(r.resumes, "d"),
             _fmt(r.energy_kwh, ".4g"),
             _fmt(r.tokens_per_kwh, ".3e"),
         ]
@@ -644,8 +654,9 @@ def report(args: argparse.Namespace) -> int:
     for path, reason in skipped:
         print(f"skipped {path}: {reason}", file=sys.stderr)
     if not runs:
-        raise UsageError("no run could be read (the reasons are above): pass a folder or file of train_gpt.py "
-                         "logs or summaries, or public speedrun logs")
+        why = "no run could be read (the reasons are above)" if skipped else \
+            f"no log or summary found in {', '.join(args.paths)}"
+        raise UsageError(f"{why}: pass a folder or file of train_gpt.py logs or summaries, or public speedrun logs")
     for run in runs:
         run.group = group_label(run, args.group_by)
     notes: list[str] = []
