@@ -26,6 +26,7 @@ import fcntl
 import gc
 import glob
 import hashlib
+import inspect
 import json
 import logging
 import math
@@ -118,9 +119,7 @@ class Hyperparameters:
     # batch: one flat sequence of seq_len tokens per rank per micro-step
     batch_tokens: int = 8 * 48 * 1024  # R: 8 GPUs x 48K tokens per optimizer step, fixed for any world size
     seq_len: int = 48 * 1024  # R: cut from 64K to 48K per GPU (critical batch size, arXiv 2410.21676)
-    # 2025-11-29_BatchSizeSchedule: the batch grows in equal-length stages, fractions of batch_tokens
-    # ("1/3,2/3,1" is the record's 131K -> 262K -> 393K); empty: batch_tokens at every step
-    batch_schedule: str = ""
+    batch_schedule: str = ""  # 2025-11-29_BatchSizeSchedule: equal-length stages, fractions of batch_tokens ("1/3,2/3,1": the record's 131K -> 262K -> 393K); empty: batch_tokens throughout
     batch_lr_exponent: float = 0.6  # same record: a stage's lrs are scaled by (its tokens / batch_tokens) ** 0.6
     val_seq_len: int = 4 * 64 * 1024  # R: 256K-token val sequences cut fewer documents (~0.0015 lower val loss)
     # schedule
@@ -183,7 +182,7 @@ class Hyperparameters:
     # systems
     dtype: str = "bf16"  # activations and embeddings: bf16 | fp32
     fp8_head: bool = True  # R: FP8 LM head; used only where the GPU supports FP8 (compute capability >= 8.9)
-    attention: str = "auto"  # flex | sdpa; auto: flex on CUDA, sdpa on CPU
+    attention: str = "auto"  # flex | banded; auto: flex on CUDA, banded (SDPA over key chunks) on CPU
     compile: str = "auto"  # model | loss (softcap + cross-entropy only) | off; auto: model on CUDA, loss on CPU
     coordinate_descent_tuning: bool = True  # R's inductor setting with --compile=model: faster kernels, longer compile
     warmup_steps: int = 10  # untimed steps to compile kernels; state is restored afterwards
@@ -292,6 +291,30 @@ def parse_value(ftype: FieldType, text: str):
             return False
         raise ValueError("expected true/false")
     return ftype.kind(text)
+
+
+def help_text() -> str:
+    """What --help prints: every flag in the dataclass's groups, with its default (the speedrun preset's), the cpu
+    preset's value where it differs, and its comment, all read from the Hyperparameters source itself."""
+    lines = ["usage: torchrun --nproc_per_node=N train_gpt.py [--name=value ...]   (one process: python train_gpt.py)",
+             "Every flag is --name=value (a bare --name sets a switch true). Defaults are the speedrun preset's; "
+             "[cpu: x] is --preset=cpu's value.", "", "general:"]
+    for line in inspect.getsource(Hyperparameters).splitlines()[3:]:
+        text = line.strip()
+        if text.startswith("# "):
+            lines += ["", text[2:] + ":"]
+            continue
+        name, comment = text.partition(":")[0], text.partition("#")[2].strip()
+        if hasattr(Hyperparameters, name):
+            cpu = PRESETS["cpu"].get(name)
+            lines.append(f"  --{name}={flag_text(getattr(Hyperparameters, name))}"
+                         + (f" [cpu: {flag_text(cpu)}]" if cpu is not None else "") + (f"  {comment}" if comment else ""))
+    return "\n".join(lines)
+
+
+def flag_text(value: object) -> str:
+    """A value as the command line writes it: true/false, none, the rest as is."""
+    return str(value).lower() if isinstance(value, bool) or value is None else str(value)
 
 
 def parse_args(argv: list[str], cuda_available: bool) -> Hyperparameters:
@@ -445,6 +468,24 @@ def check_model_switches(args: Hyperparameters) -> None:
             raise UsageError(reason)
 
 
+def check_batch_schedule(args: Hyperparameters) -> None:
+    """The stages grow to batch_tokens, each whole sequences of seq_len tokens."""
+    fracs = stage_fractions(args.batch_schedule) or []
+    flag = f"--batch_schedule={args.batch_schedule}"
+    if any(later < earlier for earlier, later in zip(fracs, fracs[1:])):
+        raise UsageError(f"{flag} shrinks the batch; the stages must grow, each at least the one before (the "
+                         "record's is 1/3,2/3,1)")
+    if fracs and fracs[-1] != 1:
+        raise UsageError(f"{flag} never reaches --batch_tokens={args.batch_tokens}: its last stage must be 1, the "
+                         "batch the learning rates are set for (pass --batch_tokens for a smaller batch)")
+    unit = Fraction(args.seq_len, args.batch_tokens)  # the smallest stage: one sequence
+    for frac in fracs:
+        if frac % unit:
+            raise UsageError(f"{flag}: stage {frac} of --batch_tokens={args.batch_tokens} is "
+                             f"{float(args.batch_tokens * frac):g} tokens, not whole sequences of --seq_len="
+                             f"{args.seq_len}; use multiples of {unit} (one sequence) for every stage")
+
+
 def validate_args(args: Hyperparameters) -> None:
     """Refuses, in one line, any value or combination of values the run would trip over later."""
     check_flag_ranges(args)
@@ -465,11 +506,7 @@ def validate_args(args: Hyperparameters) -> None:
     if args.doc_len_cap and not args.bos_align:
         raise UsageError(f"--doc_len_cap={args.doc_len_cap} packs whole documents from their start, so it needs "
                          "--bos_align=true (or pass --doc_len_cap=0)")
-    for frac in stage_fractions(args.batch_schedule) or []:
-        if (args.batch_tokens * frac).denominator != 1 or (args.batch_tokens * frac) % args.seq_len:
-            raise UsageError(f"--batch_schedule stage {frac} of --batch_tokens={args.batch_tokens} is "
-                             f"{float(args.batch_tokens * frac):g} tokens, not whole sequences of --seq_len="
-                             f"{args.seq_len}; pick fractions that are")
+    check_batch_schedule(args)
     if args.polar_express and args.ns_steps > len(POLAR_EXPRESS_COEFFICIENTS):
         raise UsageError(f"--polar_express=true has {len(POLAR_EXPRESS_COEFFICIENTS)} iterations' coefficients, "
                          f"not --ns_steps={args.ns_steps}; pass --ns_steps=5 or fewer")
@@ -2112,7 +2149,8 @@ class RunLog:
 PROGRESS_FIELDS = {  # name: (decimals, unit)
     "val_loss": (4, ""), "train_loss": (4, ""), "train_time": (0, "ms"), "step_avg": (2, "ms"),
     "energy": (0, "J"), "hellaswag_acc": (4, ""), "hellaswag_acc_norm": (4, ""), "hellaswag_examples": (0, ""),
-    "hellaswag_time": (0, "ms"), "steps": (0, ""), "tokens": (0, ""),
+    "hellaswag_time": (0, "ms"), "steps": (0, ""), "tokens": (0, ""), "total_train_time": (0, "ms"),
+    "resumes": (0, ""),
 }
 PROGRESS_UNITS = sorted({unit for _, unit in PROGRESS_FIELDS.values() if unit})  # what the reader strips
 
@@ -2370,11 +2408,31 @@ class TrainingState:
     step: int
     loader: dict
     tensors: dict[str, Tensor | FlatShard]
+    segments: list[dict] = dataclasses.field(default_factory=list)  # the run's history: see Segment
 
 
-def training_state(model: GPT, opt: Optimizers, stream: TokenStream, step: int) -> TrainingState:
+def training_state(model: GPT, opt: Optimizers, stream: TokenStream, step: int,
+                   segments: list[dict] | None = None) -> TrainingState:
     tensors = {f"model/{name}": t for name, t in model.state_dict().items()}
-    return TrainingState(step=step, loader=stream.state(), tensors={**tensors, **opt.state_tensors()})
+    return TrainingState(step=step, loader=stream.state(), tensors={**tensors, **opt.state_tensors()},
+                         segments=segments or [])
+
+
+SEGMENT_KEYS = ("run_id", "start_step", "end_step", "tokens", "train_time_ms")  # one launch's share of a run
+
+
+def segment(run_id: str, start_step: int, end_step: int, tokens: int | None, train_time_ms: float | None) -> dict:
+    """One launch's part of a run (a resumed run has several): steps start_step+1 .. end_step, the tokens they
+    trained and their training time; None where a checkpoint older than this record did not say."""
+    return dict(zip(SEGMENT_KEYS, (run_id, start_step, end_step, tokens, train_time_ms)))
+
+
+def recorded_segments(meta: dict) -> list[dict]:
+    """The segments a checkpoint records; one of unknown tokens and time for a checkpoint that records none."""
+    found = meta.get("segments")
+    if isinstance(found, list) and all(isinstance(x, dict) and set(x) == set(SEGMENT_KEYS) for x in found):
+        return found
+    return [segment(str(meta.get("run_id")), 0, meta["step"], None, None)]
 
 
 def local_part(t: Tensor | FlatShard) -> Tensor:
@@ -2404,7 +2462,39 @@ def checkpoint_root(args: Hyperparameters, run_id: str) -> Path:
 
 def complete_checkpoints(root: Path) -> list[Path]:
     """Finished checkpoints (those with their metadata file) under root, oldest step first."""
-    return sorted((d for d in root.glob("step_*") if (d / CHECKPOINT_META).is_file()), key=lambda d: d.name)
+    return sorted((d for d in root.glob("step_*") if (d / CHECKPOINT_META).is_file()), key=checkpoint_step)
+
+
+def checkpoint_step(folder: Path) -> int:
+    """The step of a step_N folder, from its name (a staging step_N.tmp or a stray name counts as -1)."""
+    digits = folder.name.removeprefix("step_")
+    return int(digits) if digits.isdigit() else -1
+
+
+def rotate_checkpoints(root: Path, keep: int, written: Path, resumed_from: Path | None) -> None:
+    """Deletes all but the newest `keep` checkpoints of root, never the one just written nor the one this run
+    resumed from (its recovery point, whatever its step)."""
+    protected = {written.resolve(), resumed_from.resolve() if resumed_from else None}
+    rotating = [c for c in complete_checkpoints(root) if c.resolve() not in protected]
+    for old in rotating[:max(len(rotating) - (max(keep, 1) - 1), 0)]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def set_aside_newer_checkpoints(root: Path, resumed_from: Path, rt: Runtime, log: RunLog) -> None:
+    """A run resumed from an older checkpoint of its own folder (after a divergence, say) abandons the newer
+    ones: they are moved into root/abandoned_after_step_N_<time>/, never deleted, so that neither rotation nor
+    --resume=latest mistakes them for this run's."""
+    if rt.is_master and resumed_from.parent.resolve() == root.resolve():
+        step = checkpoint_step(resumed_from)
+        newer = [c for c in complete_checkpoints(root) if checkpoint_step(c) > step]
+        if newer:
+            aside = root / f"abandoned_after_step_{step:06d}_{time.strftime('%Y%m%d-%H%M%S')}"
+            aside.mkdir(exist_ok=True)
+            for folder in newer:
+                os.replace(folder, aside / folder.name)
+            log.write(f"moved {len(newer)} checkpoint(s) newer than the resume point {resumed_from.name} "
+                      f"({', '.join(c.name for c in newer)}) aside to {aside}: delete it once you no longer need it")
+    ranks_agree(True, rt)
 
 
 def ranks_agree(ok: bool, rt: Runtime) -> bool:
@@ -2453,13 +2543,14 @@ def files_written_by(folder: Path, rank: int) -> list[Path]:
     return sorted(folder.glob(f"__{rank}_*.distcp")) + ([folder / ".metadata"] if rank == 0 else [])
 
 
-def save_checkpoint(state: TrainingState, args: Hyperparameters, rt: Runtime, run_id: str, log: RunLog) -> Path:
+def save_checkpoint(state: TrainingState, args: Hyperparameters, rt: Runtime, run_id: str, log: RunLog,
+                    resumed_from: Path | None = None) -> Path:
     """torch.distributed.checkpoint writes every rank's tensors into step_N.tmp/ (one copy of the shared
     weights, each Adam slice and Muon momentum by its owner); rank 0 adds the metadata (with every file's
     size and sha256, hashed by the rank that wrote it) and renames the folder.
 
     A failed write (a full disk, say) removes the staging folder on every rank and leaves every
-    earlier checkpoint untouched.
+    earlier checkpoint untouched. Rotation keeps args.checkpoint_keep, and always resumed_from.
     """
     root = checkpoint_root(args, run_id)
     final = root / f"step_{state.step:06d}"
@@ -2476,7 +2567,7 @@ def save_checkpoint(state: TrainingState, args: Hyperparameters, rt: Runtime, ru
         files = {name: rec for per_rank in gather_objects(records, rt) for name, rec in per_rank.items()}
         if rt.is_master:
             meta = {"format": CHECKPOINT_FORMAT, "run_id": run_id, "step": state.step, "loader": state.loader,
-                    "world_size": rt.world_size, "source_sha256": source_sha256(),
+                    "segments": state.segments, "world_size": rt.world_size, "source_sha256": source_sha256(),
                     "hyperparameters": dataclasses.asdict(args), "runtime": rt.resolved(), "files": files}
             try:
                 (staging / CHECKPOINT_META).write_text(json.dumps(meta, indent=1))
@@ -2491,8 +2582,7 @@ def save_checkpoint(state: TrainingState, args: Hyperparameters, rt: Runtime, ru
                          f"removed, previous checkpoint {previous[-1] if previous else '(none)'} is intact; "
                          f"free disk space ({free_mib(root)}) and resume with --resume=latest")
     if rt.is_master:
-        for old in complete_checkpoints(root)[:-max(args.checkpoint_keep, 1)]:
-            shutil.rmtree(old, ignore_errors=True)
+        rotate_checkpoints(root, args.checkpoint_keep, final, resumed_from)
         size = sum(f.stat().st_size for f in final.iterdir())
         log.write(f"checkpoint: {final} step:{state.step} size:{size / 2**20:.1f}MiB "
                   f"write_time:{time.perf_counter() - started:.2f}s")
@@ -2507,6 +2597,7 @@ class FiniteWatch:
     def __init__(self, device: torch.device, start_step: int, resumed_from: Path | None):
         self.bad = torch.zeros((), dtype=torch.bool, device=device)
         self.good_step, self.newest_good = start_step, resumed_from
+        self.resumed_from = resumed_from  # the good state this run started from: rotation never deletes it
 
     def observe(self, loss: Tensor) -> None:
         self.bad |= ~torch.isfinite(loss)
@@ -2520,13 +2611,13 @@ class FiniteWatch:
         return f"the newest good checkpoint is {self.newest_good or '(none)'}"
 
 
-def save_finite_checkpoint(watch: FiniteWatch, model: GPT, opt: Optimizers, stream: TokenStream, step: int,
-                           args: Hyperparameters, rt: Runtime, run_id: str, log: RunLog) -> Path:
+def save_finite_checkpoint(t: Trainer, watch: FiniteWatch, step: int, segments: list[dict]) -> Path:
     """save_checkpoint, refused (and the run stopped) once the loss or the weights are not finite."""
-    if not watch.state_is_finite(model, rt):
+    if not watch.state_is_finite(t.model, t.rt):
         raise UsageError(f"the loss or the weights became non-finite between step {watch.good_step} and step "
                          f"{step}; no checkpoint written, {watch.hint()}: resume from it with lower learning rates")
-    watch.newest_good = save_checkpoint(training_state(model, opt, stream, step), args, rt, run_id, log)
+    state = training_state(t.model, t.opt, t.stream, step, segments)
+    watch.newest_good = save_checkpoint(state, t.args, t.rt, t.run_id, t.log, watch.resumed_from)
     watch.good_step = step
     return watch.newest_good
 
@@ -2585,18 +2676,42 @@ def checkpoint_candidates(args: Hyperparameters) -> list[Path]:
     return [path]
 
 
+CHECKPOINT_META_TYPES = {"step": int, "loader": dict, "hyperparameters": dict, "files": dict, "source_sha256": str}
+CHECKPOINT_FILE_TYPES = {"bytes": int, "sha256": str}
+
+
+def meta_problem(meta: object) -> str:
+    """What is wrong with a parsed checkpoint.json ('' if nothing): the keys its readers use, with their types."""
+    if not isinstance(meta, dict):
+        return f"it holds a {type(meta).__name__}, not an object"
+    for key, kind in CHECKPOINT_META_TYPES.items():
+        if key not in meta:
+            return f"it has no {key!r}"
+        if not isinstance(meta[key], kind) or isinstance(meta[key], bool):
+            return f"its {key!r} is {meta[key]!r}, not a {kind.__name__}"
+    for name, record in meta["files"].items():
+        if not isinstance(record, dict) or any(not isinstance(record.get(k), kind) or isinstance(record.get(k), bool)
+                                               for k, kind in CHECKPOINT_FILE_TYPES.items()):
+            return f"its record of file {name!r} is {record!r}, not {{bytes, sha256}}"
+    return ""
+
+
 def read_checkpoint_meta(path: Path) -> dict:
-    """checkpoint.json, or a one-line error when it is truncated or not a checkpoint's."""
+    """checkpoint.json, validated (keys and types): the one reader of it, for the trainer and the tools alike;
+    a one-line error when it is truncated, from an older format, or not a checkpoint's."""
     try:
         meta = json.loads((path / CHECKPOINT_META).read_text())
-        int(meta["step"]), dict(meta["hyperparameters"])
-    except (OSError, ValueError, KeyError, TypeError) as e:
+    except (OSError, ValueError) as e:
         raise UsageError(f"checkpoint {path} has an unreadable {CHECKPOINT_META} ({type(e).__name__}): it is "
                          "truncated or corrupt; resume from an earlier checkpoint") from None
-    if meta.get("format") != CHECKPOINT_FORMAT:
+    if isinstance(meta, dict) and meta.get("format") != CHECKPOINT_FORMAT:
         raise UsageError(f"checkpoint {path} is in the per-rank format (rank<r>.pt) of a train_gpt.py older than "
                          f"the {CHECKPOINT_FORMAT} checkpoints; resume it with the train_gpt.py that wrote it "
                          "(its sha256 is in checkpoint.json) or start afresh")
+    problem = meta_problem(meta)
+    if problem:
+        raise UsageError(f"checkpoint {path} has a {CHECKPOINT_META} that train_gpt.py did not write ({problem}): "
+                         "it is corrupt or edited; resume from an earlier checkpoint") from None
     return meta
 
 
@@ -2614,10 +2729,10 @@ def check_compatible(path: Path, meta: dict, args: Hyperparameters, rt: Runtime)
                          f"{args.num_iterations}: nothing is left to train; pass a larger --num_iterations")
 
 
-def checkpoint_files_problem(path: Path, meta: dict, rt: Runtime) -> str:
+def checkpoint_files_problem(path: Path, meta: dict, rank: int = 0, world_size: int = 1) -> str:
     """Why a file does not match the size and sha256 in checkpoint.json ('' when all match); each rank
-    checks every world_size-th file, so the ranks share the reading."""
-    for name in sorted(meta["files"])[rt.rank::rt.world_size]:
+    checks every world_size-th file, so the ranks share the reading (one process checks them all)."""
+    for name in sorted(meta["files"])[rank::world_size]:
         recorded, file = meta["files"][name], path / name
         if not file.is_file():
             return f"{file} is missing"
@@ -2654,7 +2769,7 @@ def choose_checkpoint(args: Hyperparameters, rt: Runtime) -> tuple[Path | None, 
             meta, problem = None, str(e)
         if meta is not None:
             check_compatible(path, meta, args, rt)
-            problem = checkpoint_files_problem(path, meta, rt)
+            problem = checkpoint_files_problem(path, meta, rt.rank, rt.world_size)
         if ranks_agree(not problem, rt):
             if path != candidates[0]:
                 notes.append(f"--resume={args.resume}: falling back to {path}")
@@ -2668,6 +2783,24 @@ def choose_checkpoint(args: Hyperparameters, rt: Runtime) -> tuple[Path | None, 
                      f"verifies (newest: {notes[0].split(': ', 2)[-1]}); start afresh without --resume")
 
 
+def check_same_tensors(path: Path, state: TrainingState, args: Hyperparameters, rt: Runtime) -> None:
+    """Refuses a checkpoint whose tensors are not this run's (another technique switched on or off, say), naming
+    the first difference and the model and optimizer flags that differ, rather than calling a healthy
+    checkpoint corrupt when DCP misses a key."""
+    stored = set(dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata)
+    live = set(as_dcp_state(state, rt))
+    if stored == live:
+        return
+    recorded = read_checkpoint_meta(path)["hyperparameters"]
+    names = [f.name for f in fields(ModelConfig)] + list(OPTIMIZER_STRUCTURE_FIELDS)
+    differ = [f"{n}={recorded.get(n, '(not recorded)')} here {getattr(args, n)}" for n in names
+              if hasattr(args, n) and recorded.get(n) != getattr(args, n)]
+    first = f"this run has {sorted(live - stored)[0]}, which it lacks" if live - stored else \
+        f"it has {sorted(stored - live)[0]}, which this run lacks"
+    raise UsageError(f"checkpoint {path} holds other tensors than this run's model and optimizers ({first}); it was "
+                     f"written with {', '.join(differ[:4]) or 'other flags'}: pass its flags to resume it")
+
+
 def load_checkpoint(path: Path, state: TrainingState, rt: Runtime, log: RunLog) -> TrainingState:
     """Fills the live tensors from a checkpoint folder that choose_checkpoint verified at start-up, each
     rank reading the pieces its own layout needs (DCP re-cuts the Adam slices for this world size)."""
@@ -2679,13 +2812,24 @@ def load_checkpoint(path: Path, state: TrainingState, rt: Runtime, log: RunLog) 
     except (OSError, RuntimeError, ValueError, CheckpointException) as e:
         raise UsageError(f"checkpoint {path} is unreadable ({write_failure(e)}); it is truncated or corrupt: "
                          "resume from an earlier checkpoint") from None
-    return TrainingState(step=meta["step"], loader=meta["loader"], tensors=state.tensors)
+    return TrainingState(step=meta["step"], loader=meta["loader"], tensors=state.tensors,
+                         segments=recorded_segments(meta))
+
+
+def verified_checkpoint_meta(path: Path) -> dict:
+    """checkpoint.json of a folder whose every file matches its recorded size and sha256, checked in this one
+    process as the trainer checks them: what a program reading a checkpoint outside training trusts."""
+    meta = read_checkpoint_meta(path)
+    problem = checkpoint_files_problem(path, meta)
+    if problem:
+        raise UsageError(f"checkpoint {path} failed verification: {problem}; use another step_N folder")
+    return meta
 
 
 def read_checkpoint_tensors(path: Path, prefix: str = "model/") -> dict[str, Tensor]:
-    """The whole (unsharded) tensors under prefix in a checkpoint folder, read in one process on CPU:
+    """The whole (unsharded) tensors under prefix in a verified checkpoint folder, read in one process on CPU:
     model/ for the weights (tools/: sampling, export), adam/ or muon/ for the optimizer state."""
-    read_checkpoint_meta(path)
+    verified_checkpoint_meta(path)
     try:
         stored = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
         tensors = {name: torch.empty(tuple(m.size), dtype=m.properties.dtype) for name, m in stored.items()
@@ -2885,6 +3029,9 @@ def write_summary(path: Path, summary: dict, log: RunLog) -> None:
 
 def train(argv: list[str]) -> int:
     SIGNALS.install()  # from the first line on: a signal during start-up ends the run in one line, not a traceback
+    if "--help" in argv or "-h" in argv:
+        print(help_text())
+        return EXIT_OK
     args = parse_args(argv, torch.cuda.is_available())
     rt = setup_runtime(args)
     if rt.is_master and args.preset == "cpu" and not torch.cuda.is_available() and \
@@ -2928,6 +3075,12 @@ class Trainer:
     windows: WindowTensors
     val_seqs: list[np.ndarray]
     hellaswag_items: list | None
+    earlier_segments: list[dict] = dataclasses.field(default_factory=list)  # of the checkpoint resumed from
+
+    def segments(self, start_step: int, step: int, clock: Clock) -> list[dict]:
+        """The run's history through `step`: the earlier launches, then this one's steps and time so far."""
+        tokens = self.batches.tokens_before(step) - self.batches.tokens_before(start_step)
+        return self.earlier_segments + [segment(self.run_id, start_step, step, tokens, clock.ms)]
 
 
 @dataclass
@@ -2995,7 +3148,9 @@ def resume(t: Trainer, checkpoint: Path | None) -> int:
         return 0
     state = load_checkpoint(checkpoint, training_state(t.model, t.opt, t.stream, 0), t.rt, t.log)
     t.stream.load_state(state.loader)
+    t.earlier_segments = state.segments
     t.log.write(f"resumed from {checkpoint} at step {state.step}")
+    set_aside_newer_checkpoints(checkpoint_root(t.args, t.run_id), checkpoint, t.rt, t.log)
     return state.step
 
 
@@ -3003,6 +3158,8 @@ def run_training(args: Hyperparameters, rt: Runtime, log: RunLog, batches: Batch
                  checkpoint: Path | None) -> int:
     """Set-up, the untimed warm-up, then the timed loop; returns the process exit status."""
     t = set_up(args, rt, log, batches, run_id)
+    if checkpoint is not None:  # before the warm-up's compiles
+        check_same_tensors(checkpoint, training_state(t.model, t.opt, t.stream, 0), args, rt)
     warm_up(t)
     return train_loop(t, resume(t, checkpoint), checkpoint)
 
@@ -3088,7 +3245,7 @@ def checkpoint_or_stop(t: Trainer, step: int, start_step: int, signum: int | Non
     checkpointing = args.checkpoint_every > 0 or args.checkpoint_final or args.stop_after > 0
     with clock.paused():
         if checkpointing:
-            save_finite_checkpoint(watch, t.model, t.opt, t.stream, step, args, t.rt, t.run_id, log)
+            save_finite_checkpoint(t, watch, step, t.segments(start_step, step, clock))
     if signum:
         log.write(f"stopped by signal {signal.Signals(signum).name} before step {step + 1}"
                   + ("; resume with --resume=latest" if checkpointing else " (no checkpoints enabled)"))
@@ -3113,26 +3270,39 @@ def log_train_step(t: Trainer, step: int, start_step: int, loss: Tensor, clock: 
     t.log.write(progress_line(step, t.args.num_iterations, train_loss=train_loss, **timing))
 
 
+def run_totals(segments: list[dict], batches: BatchSchedule) -> tuple[int, float | None]:
+    """Tokens of all segments (those an old checkpoint did not record, at this run's schedule) and their total
+    training time (None when an old checkpoint did not record its part)."""
+    tokens = sum(s["tokens"] if s["tokens"] is not None else
+                 batches.tokens_before(s["end_step"]) - batches.tokens_before(s["start_step"]) for s in segments)
+    times = [s["train_time_ms"] for s in segments]
+    return tokens, None if None in times else sum(times)
+
+
 def finish(t: Trainer, start_step: int, clock: Clock, progress: Progress, watch: FiniteWatch,
            recompiles: RecompileWatch) -> int:
     """Memory, energy and final lines, end-of-run samples and checkpoint, then the JSON summary."""
     args, rt, log, N = t.args, t.rt, t.log, t.args.num_iterations
-    tokens = t.batches.tokens_before(N)
+    segments = t.segments(start_step, N, clock)
+    tokens, total_ms = run_totals(segments, t.batches)
     peak_mib, memory_line = peak_memory_mib(rt)
     joules, ranks = clock.energy.total(rt)
     log.write(memory_line)
-    log.write(energy_line(joules, ranks, clock.energy.reason, clock.ms / 1000, tokens))
-    log.write(progress_line(None, N, val_loss=progress.val_loss, steps=N, tokens=tokens, train_time=clock.ms))
+    log.write(energy_line(joules, ranks, clock.energy.reason, clock.ms / 1000, segments[-1]["tokens"]))
+    resumed = {"total_train_time": total_ms, "resumes": len(segments) - 1} if len(segments) > 1 else {}
+    log.write(progress_line(None, N, val_loss=progress.val_loss, steps=N, tokens=tokens, train_time=clock.ms,
+                            **({k: v for k, v in resumed.items() if v is not None})))
     samples = log_samples(t.model, args, t.windows(N), log) if args.sample_at_end > 0 and rt.is_master else []
     if args.checkpoint_final:
-        save_finite_checkpoint(watch, t.model, t.opt, t.stream, N, args, rt, t.run_id, log)
+        save_finite_checkpoint(t, watch, N, segments)
     if rt.is_master:
         kwh = joules / 3.6e6 if joules is not None else None
         summary = {"run_id": t.run_id, "git_commit": git_commit(), "preset": args.preset,
                    "world_size": rt.world_size, "devices": [device_name(rt)] * rt.world_size, "steps": N,
                    "tokens": tokens, "final_val_loss": progress.val_loss, "train_time_ms": clock.ms,
                    "peak_memory_mib": peak_mib, "energy_j": joules, "energy_kwh": kwh,
-                   "tokens_per_kwh": tokens / kwh if kwh else None, "val_curve": progress.val_curve,
+                   "tokens_per_kwh": segments[-1]["tokens"] / kwh if kwh else None, "val_curve": progress.val_curve,
+                   "segments": segments, "total_train_time_ms": total_ms, "resumes": len(segments) - 1,
                    "recompiles_after_warmup": recompiles.count, "step_avg_ms": clock.ms / max(N - start_step, 1),
                    "runtime": {**rt.resolved(), "grad_accum_steps": t.batches.stage_accum[-1],
                                "batch_stages": [[t.batches.first_step(i), n, a] for i, (n, a) in

@@ -61,3 +61,17 @@ def test_every_hyperparameter_has_a_command_line_type():
     types = T.field_types()
     assert set(types) == {f.name for f in dataclasses.fields(T.Hyperparameters)}
     assert types["seed"] == T.FieldType(int) and types["muon"] == T.FieldType(bool)
+
+
+def test_help_lists_every_flag_in_its_group_with_its_default_and_exits_0(tmp_path):
+    from conftest import run_main
+    result = run_main(["--help"], tmp_path)
+    assert result.returncode == 0 and result.stderr == "" and not list(tmp_path.iterdir())  # no run started
+    text = result.stdout
+    flags = [line.split()[0] for line in text.splitlines() if line.startswith("  --")]
+    assert [flag.split("=")[0] for flag in flags] == [f"--{f.name}" for f in dataclasses.fields(T.Hyperparameters)]
+    assert "  --seq_len=49152 [cpu: 1024]  R: cut from 64K to 48K per GPU" in text  # default, cpu preset, comment
+    assert "  --value_embeds=true  R: three value-embedding tables" in text and "  --scalar_adam_beta1=none" in text
+    headers = [line for line in text.splitlines() if line.endswith(":") and not line.startswith(" ")]
+    assert headers[:3] == ["general:", "data:", "batch: one flat sequence of seq_len tokens per rank per micro-step:"]
+    assert "checkpoints:" in headers and "optimizers:" in headers

@@ -3,8 +3,8 @@
 Every test here failed on the trainer before the fix (a lost checkpoint, a silent load of a corrupt
 file, a traceback, a false success) and passes after it.
 """
+import hashlib
 import json
-import math
 import os
 import shutil
 import signal
@@ -19,6 +19,7 @@ import torch
 
 import train_gpt as T
 from conftest import REPO, TINY, run_main, run_trainer, start_two_ranks_until_step_3, train_losses
+from tools import loading
 
 
 def one_line_error(result, code=2):
@@ -237,7 +238,8 @@ def test_9_resumes_reuse_the_run_folder(tmp_path):
                                     "--checkpoint_keep=1", "--resume=latest"], tmp_path)
         assert again.returncode == 0, again.stderr[-2000:]
     runs = [p for p in tmp_path.iterdir() if p.is_dir()]
-    assert len(runs) == 1 and [c.name for c in runs[0].iterdir()] == ["step_000004"]
+    # keep=1, plus each segment's resume point (step 3 for the last one): the bound is keep + 1
+    assert len(runs) == 1 and sorted(c.name for c in runs[0].iterdir()) == ["step_000003", "step_000004"]
     assert sorted(train_losses((tmp_path / f"{runs[0].name}.txt").read_text())) == [1, 2, 3, 4]
 
 
@@ -266,3 +268,169 @@ def test_8_conflicting_model_switches_are_refused(flags, message):
     with pytest.raises(T.UsageError) as e:
         T.parse_args(["--preset=cpu", *flags], False)
     assert message in str(e.value) and "\n" not in str(e.value)
+
+
+# ---------------------------------------------------------------- issue 26: no lost work, round 3
+
+def test_resuming_an_older_checkpoint_keeps_it_and_sets_the_newer_ones_aside(tmp_path):
+    """The recovery after a divergence: --resume=<run>/step_000002 while the run folder holds steps 3 and 4.
+    With --checkpoint_keep=1 rotation used to delete the resume point and the step it had just written (then
+    crash); now the newer checkpoints are moved aside, named in the log, and the resume point is kept."""
+    base = TINY + ["--num_iterations=4", "--val_every=0", "--checkpoint_every=1", "--checkpoint_final=true", "--run_id=r"]
+    assert run_main(base + ["--checkpoint_keep=3"], tmp_path).returncode == 0
+    run = tmp_path / "r"
+    old_step4 = hashlib.sha256((run / "step_000004" / "__0_0.distcp").read_bytes()).hexdigest()
+    again = run_main(base + ["--checkpoint_keep=1", f"--resume={run / 'step_000002'}"], tmp_path)
+    assert again.returncode == 0, again.stderr[-2000:]
+    (aside,) = run.glob("abandoned_after_step_000002_*")
+    assert sorted(p.name for p in run.glob("step_*")) == ["step_000002", "step_000004"]  # resume point, newest
+    assert sorted(p.name for p in aside.iterdir()) == ["step_000003", "step_000004"]
+    assert hashlib.sha256((aside / "step_000004" / "__0_0.distcp").read_bytes()).hexdigest() == old_step4
+    assert f"moved 2 checkpoint(s) newer than the resume point step_000002 (step_000003, step_000004) aside to " \
+           f"{aside}" in again.stdout
+    latest = run_main(TINY + ["--num_iterations=5", "--val_every=0", "--resume=latest"], tmp_path)
+    assert f"resumed from {run / 'step_000004'} at step 4" in latest.stdout  # the new step 4, not the abandoned one
+
+
+@pytest.mark.parametrize("edit, problem", [
+    (lambda m: m.pop("files"), "it has no 'files'"),
+    (lambda m: m.pop("loader"), "it has no 'loader'"),
+    (lambda m: m.update(step="2"), "its 'step' is '2', not a int"),
+    (lambda m: m.update(step=True), "its 'step' is True, not a int"),
+    (lambda m: m["files"].update({"__0_0.distcp": {"bytes": "7"}}), "its record of file '__0_0.distcp'"),
+])
+def test_an_edited_checkpoint_json_is_one_line_and_latest_falls_back(tmp_path, tiny_run, edit, problem):
+    log_dir = copy_run(tiny_run, tmp_path / "logs")
+    newest, previous = log_dir / "tiny" / "step_000004", log_dir / "tiny" / "step_000002"
+    os.utime(newest, (time.time() + 10, time.time() + 10))
+    meta = json.loads((newest / "checkpoint.json").read_text())
+    edit(meta)
+    (newest / "checkpoint.json").write_text(json.dumps(meta))
+    line = one_line_error(run_main(TINY + ["--num_iterations=5", f"--resume={newest}"], log_dir))
+    assert f"checkpoint {newest} has a checkpoint.json that train_gpt.py did not write ({problem}" in line
+    with pytest.raises(T.UsageError, match="did not write"):  # the tools read it through the same reader
+        loading.load_model(newest, "cpu")
+    result = run_main(TINY + ["--num_iterations=5", "--val_every=0", "--resume=latest"], log_dir)
+    assert result.returncode == 0 and f"resumed from {previous} at step 2" in result.stdout, result.stderr
+    assert list(newest.parent.glob("abandoned_after_step_000002_*/step_000004"))  # set aside, not deleted
+
+
+def test_the_tools_verify_checkpoint_bytes_like_the_trainer(tmp_path, tiny_run):
+    """Same size, other bytes: the sha256 in checkpoint.json catches it in the tools as in the trainer."""
+    folder = copy_run(tiny_run / "tiny" / "step_000004", tmp_path / "step_000004")
+    flip_bytes(folder / "__0_0.distcp")
+    with pytest.raises(T.UsageError) as e:
+        loading.load_model(folder, "cpu")
+    assert "failed verification" in str(e.value) and "does not match the sha256 in checkpoint.json" in str(e.value)
+    done = subprocess.run([sys.executable, str(REPO / "tools" / "export.py"), str(folder), str(tmp_path / "out")],
+                          capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 2 and done.stderr.strip().splitlines() == [done.stderr.strip()], done.stderr
+    assert "does not match the sha256" in done.stderr and not (tmp_path / "out").exists()
+
+
+def export_cli(*args):
+    from tools import export
+    return T.run_cli(lambda: export.main([str(a) for a in args]))
+
+
+def test_export_never_replaces_a_file_it_did_not_write(tmp_path, tiny_run, capsys):
+    checkpoint = tiny_run / "tiny" / "step_000004"
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "config.json").write_text('{"my": "settings"}')
+    assert export_cli(checkpoint, mine) == 2
+    assert "already holds config.json; pick an empty folder, or pass --overwrite" in capsys.readouterr().err
+    assert export_cli(checkpoint, mine, "--overwrite") == 2
+    assert "is not a gpt2-speedrun export; it is left as is" in capsys.readouterr().err
+    assert (mine / "config.json").read_text() == '{"my": "settings"}' and not (mine / "model.safetensors").exists()
+    fresh = tmp_path / "fresh"
+    assert export_cli(checkpoint, fresh) == 0 and export_cli(checkpoint, fresh, "--overwrite") == 0  # its own: yes
+    assert export_cli(checkpoint, fresh) == 2 and "--overwrite" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("where", ["parent_is_a_file", "proc"])
+def test_export_into_an_unwritable_place_is_one_line(tmp_path, tiny_run, capsys, where):
+    out = {"parent_is_a_file": tmp_path / "file" / "out", "proc": Path("/proc/export_here")}[where]
+    (tmp_path / "file").write_text("x")
+    assert export_cli(tiny_run / "tiny" / "step_000004", out) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"error: cannot write the export into {out} (") and "\n" not in err
+
+
+def test_a_twice_resumed_run_records_its_segments_and_the_reader_shows_them(tmp_path):
+    """Stopped after step 2 and after step 4, then finished at 6, the last launch with another --batch_schedule:
+    the final line and JSON count every segment's tokens at the schedule it trained with (they used to count all
+    6 steps at the last schedule) and the total training time; the records reader shows the resumes."""
+    base = TINY + ["--num_iterations=6", "--val_every=0", "--run_id=seg", "--checkpoint_keep=1"]
+    assert run_main(base + ["--stop_after=2"], tmp_path).returncode == 0
+    assert run_main(base + ["--stop_after=4", "--resume=latest"], tmp_path).returncode == 0
+    last = run_main(base + ["--resume=latest", "--batch_schedule=1/2,1"], tmp_path)
+    assert last.returncode == 0, last.stderr[-2000:]
+    summary = json.loads((tmp_path / "seg.json").read_text())
+    segments = summary["segments"]
+    assert [(s["start_step"], s["end_step"]) for s in segments] == [(0, 2), (2, 4), (4, 6)]
+    schedule = T.batch_schedule(T.parse_args(TINY + ["--num_iterations=6", "--batch_schedule=1/2,1"], False), 1)
+    assert [s["tokens"] for s in segments] == [2 * 512, 2 * 512, schedule.tokens_before(6) - schedule.tokens_before(4)]
+    assert summary["tokens"] == sum(s["tokens"] for s in segments) and summary["resumes"] == 2
+    assert summary["total_train_time_ms"] == pytest.approx(sum(s["train_time_ms"] for s in segments))
+    assert summary["train_time_ms"] == segments[-1]["train_time_ms"]
+    final = next(line for line in (tmp_path / "seg.txt").read_text().splitlines() if line.startswith("final:"))
+    fields = T.parse_progress_line(final).fields
+    assert fields["tokens"] == summary["tokens"] and fields["resumes"] == 2
+    assert fields["total_train_time"] == pytest.approx(summary["total_train_time_ms"], abs=1)
+    for path in (tmp_path / "seg.txt", tmp_path / "seg.json"):  # each of the trainer's files, read alone
+        out = subprocess.run([sys.executable, str(REPO / "records" / "read_records.py"), str(path), "--json"],
+                             capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        (parsed,) = json.loads(out.stdout)["runs"]
+        assert parsed["resumes"] == 2 and parsed["tokens"] == summary["tokens"], (path, parsed)
+        assert parsed["total_train_time_ms"] == pytest.approx(summary["total_train_time_ms"], abs=1)
+    table = subprocess.run([sys.executable, str(REPO / "records" / "read_records.py"), str(tmp_path / "seg.json")],
+                           capture_output=True, text=True, timeout=60).stdout
+    row = next(line for line in table.splitlines() if line.startswith("| seg "))
+    assert f"| {summary['total_train_time_ms'] / 1000:.2f} (total) | 2 |" in row, table
+
+
+@pytest.mark.parametrize("schedule, message", [
+    ("1/2,1/3", "--batch_schedule=1/2,1/3 shrinks the batch; the stages must grow"),
+    ("1,1/2", "--batch_schedule=1,1/2 shrinks the batch"),
+    ("1/4,1/2", "--batch_schedule=1/4,1/2 never reaches --batch_tokens=2048: its last stage must be 1"),
+    ("1/3,2/3,1", "stage 1/3 of --batch_tokens=2048 is 682.667 tokens, not whole sequences of --seq_len=1024; use "
+                  "multiples of 1/2 (one sequence) for every stage"),
+])
+def test_a_batch_schedule_that_shrinks_stops_short_or_splits_sequences_is_refused(schedule, message):
+    with pytest.raises(T.UsageError) as e:
+        T.parse_args(["--preset=cpu", f"--batch_schedule={schedule}"], False)
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("endings", ['"abcd"', '["a", "b", "c"]', '["a", "b", "c", 4]'])
+def test_a_hellaswag_line_without_four_string_endings_is_refused(tmp_path, endings):
+    from tools import hellaswag
+    data = tmp_path / "h.jsonl"
+    data.write_text(f'{{"ctx": "x", "endings": {endings}, "label": 0}}\n')
+    with pytest.raises(T.UsageError, match="line 1 of .* is not a HellaSwag example"):
+        hellaswag.read_examples(data)
+
+
+@pytest.mark.parametrize("tool_args, message", [
+    (["sample.py", "ckpt", "--max_new_tokens=abc"], "argument --max_new_tokens: invalid int value: 'abc'"),
+    (["hellaswag.py"], "the following arguments are required: checkpoint"),
+    (["export.py", "only_one"], "the following arguments are required: out_dir"),
+])
+def test_tool_argument_errors_are_one_line(tool_args, message, capsys, monkeypatch):
+    import importlib
+    program = importlib.import_module(f"tools.{tool_args[0].removesuffix('.py')}")
+    monkeypatch.setattr(sys, "argv", [str(REPO / "tools" / tool_args[0])])  # argparse names the program from it
+    assert T.run_cli(lambda: program.main(tool_args[1:])) == 2
+    err = capsys.readouterr().err
+    assert err.strip().splitlines() == [err.strip()] and err.startswith(f"error: {message} (see {tool_args[0]} --help)")
+
+
+def test_a_checkpoint_of_other_model_switches_is_refused_by_name_not_called_corrupt(tmp_path, tiny_run):
+    """A reference checkpoint resumed with a v2 technique on: the tensors differ, which is no corruption."""
+    line = one_line_error(run_main(TINY + ["--num_iterations=5", "--backout=true", "--smear=true",
+                                           f"--resume={tiny_run / 'tiny' / 'step_000004'}"], tmp_path))
+    assert "holds other tensors than this run's model and optimizers (this run has adam/backout_lambda/" in line
+    assert "it was written with smear=False here True, backout=False here True: pass its flags" in line
+    assert "corrupt" not in line

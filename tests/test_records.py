@@ -233,6 +233,9 @@ def test_cli_exits_nonzero_when_nothing_readable(tmp_path):
     assert "skipped" in proc.stderr and "notes.txt" in proc.stderr and "bad.json" in proc.stderr
     proc = run_cli(tmp_path / "does_not_exist")
     assert proc.returncode != 0 and "does_not_exist" in proc.stderr
+    (tmp_path / "empty").mkdir()
+    proc = run_cli(tmp_path / "empty")  # nothing skipped: no reasons to point at
+    assert proc.returncode == 2 and proc.stderr.startswith(f"error: no log or summary found in {tmp_path / 'empty'}")
 
 
 # ---------------------------------------------------------------- CLI output
