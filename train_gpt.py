@@ -66,37 +66,13 @@ BLOCK_SIZE = 128  # attention mask granularity and window unit, in tokens
 
 class UsageError(Exception):
     """An expected bad condition (flag, data, checkpoint, file, environment): reported as one line that
-    says what to do, no traceback. The one user-error type of every program in this repository."""
-
-    def __init__(self, message: str = "", retryable: bool = False):
-        super().__init__(message)
-        self.retryable = retryable  # trying the same thing again may work (a download that timed out)
+    says what to do, no traceback. tools/cli.py has the torch-free twin that data/ and records/ raise."""
 
 
-# Exit statuses, the same for every program here (README, "Exit statuses"); 128 + N: stopped by signal N.
+# Exit statuses, the same for every program here (README, "Errors and exit statuses"; tools/cli.py has the rest).
 EXIT_OK = 0
-EXIT_SOME_FAILED = 1  # a program that runs many jobs (bench/ablation.py) finished, but some of them failed
 EXIT_USAGE = 2  # a UsageError: the one-line message says what to fix
 EXIT_PEER_LOST = 3  # a collective failed: another rank died or stopped answering
-
-
-def one_line(text: object, limit: int = 1000) -> str:
-    """Whitespace collapsed and cut to limit characters: how an error is printed."""
-    s = " ".join(str(text).split())
-    return s if len(s) <= limit else s[:limit - 1] + "…"
-
-
-def run_cli(main, interrupted: str = "nothing was lost") -> int:
-    """How every program outside the trainer ends: a UsageError is one 'error: ...' line and EXIT_USAGE,
-    Ctrl-C one line and 130 (128 + SIGINT)."""
-    try:
-        return main()
-    except UsageError as e:
-        print(f"error: {one_line(e)}", file=sys.stderr, flush=True)
-        return EXIT_USAGE
-    except KeyboardInterrupt:
-        print(f"error: interrupted; {interrupted}", file=sys.stderr, flush=True)
-        return 128 + signal.SIGINT
 
 
 # -----------------------------------------------------------------------------
@@ -2143,16 +2119,15 @@ class RunLog:
 
 
 # The progress lines ("step:S/N name:value ..." and "final: name:value ...") are the run log's data:
-# progress_line() is the one writer, parse_progress_line() the one reader (records/, bench/ and tests use
-# it). A field's number is written with these decimals and unit; the public speedrun's logs use the same
-# "step:S/N val_loss:... train_time:...ms step_avg:...ms" shape.
+# progress_line() is the one writer, records/read_records.py's parse_progress_line() the one reader (bench/ and
+# tests use it too). A field's number is written with these decimals and unit; the public speedrun's logs use
+# the same "step:S/N val_loss:... train_time:...ms step_avg:...ms" shape.
 PROGRESS_FIELDS = {  # name: (decimals, unit)
     "val_loss": (4, ""), "train_loss": (4, ""), "train_time": (0, "ms"), "step_avg": (2, "ms"),
     "energy": (0, "J"), "hellaswag_acc": (4, ""), "hellaswag_acc_norm": (4, ""), "hellaswag_examples": (0, ""),
     "hellaswag_time": (0, "ms"), "steps": (0, ""), "tokens": (0, ""), "total_train_time": (0, "ms"),
     "resumes": (0, ""),
 }
-PROGRESS_UNITS = sorted({unit for _, unit in PROGRESS_FIELDS.values() if unit})  # what the reader strips
 
 
 def progress_line(step: int | None, total: int, **values: float) -> str:
@@ -2163,41 +2138,6 @@ def progress_line(step: int | None, total: int, **values: float) -> str:
         decimals, unit = PROGRESS_FIELDS[name]
         parts.append(f"{name}:{value:.{decimals}f}{unit}")
     return " ".join([head, *parts])
-
-
-@dataclass
-class ProgressLine:
-    step: int | None  # None for the final line
-    total: int | None
-    fields: dict[str, float]
-
-
-def parse_progress_line(line: str) -> ProgressLine | None:
-    """The fields of a progress line (units stripped, 'nan' allowed), or None for any other line.
-    A line holding braces is a format string quoted from source code, never data."""
-    words = line.strip().split()
-    if not words or "{" in line or "}" in line:
-        return None
-    if words[0] == "final:":
-        step = total = None
-    elif words[0].startswith("step:") and words[0].count("/") == 1:
-        s, _, n = words[0][len("step:"):].partition("/")
-        if not (s.isdigit() and n.isdigit()):
-            return None
-        step, total = int(s), int(n)
-    else:
-        return None
-    values = {}
-    for word in words[1:]:
-        name, sep, text = word.partition(":")
-        unit = next((u for u in PROGRESS_UNITS if text.endswith(u) and text != u), "")
-        try:
-            values[name] = float(text[:len(text) - len(unit)])
-        except ValueError:
-            return None
-        if not sep or not name.replace("_", "").isalnum():
-            return None
-    return ProgressLine(step, total, values) if values else None
 
 
 class Clock:

@@ -39,9 +39,8 @@ from typing import Iterable, Iterator
 import numpy as np
 
 import shardio
-from train_gpt import UsageError, one_line, run_cli  # shardio puts the repository root on sys.path
+from tools.cli import UsageError, one_line, run_cli  # shardio puts the repository root on sys.path
 
-EOT = 50256  # <|endoftext|>, prepended to every document
 DATA_DIR = Path(__file__).resolve().parent
 DEFAULT_SHARD_SIZE = 100_000_000
 BATCH_CHARS = 1 << 20  # text handed to a worker at a time
@@ -235,7 +234,7 @@ def encode_batch(texts: list[str]) -> np.ndarray:
     enc = load_encoding()
     ids: list[int] = []
     for text in texts:
-        ids.append(EOT)
+        ids.append(enc.eot_token)  # <|endoftext|> (50256), the document start train_gpt.py looks for
         ids.extend(enc.encode_ordinary(text))
     arr = np.asarray(ids, dtype=np.int64)
     if arr.size and (arr.min() < 0 or arr.max() >= 2**16):

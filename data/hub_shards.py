@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import shardio
-from train_gpt import UsageError, one_line, run_cli  # shardio puts the repository root on sys.path
+from tools.cli import UsageError, one_line, run_cli  # shardio puts the repository root on sys.path
 
 DATA_DIR = Path(__file__).resolve().parent
 DEFAULT_TRAIN_SHARDS = 8  # 800M tokens; one speedrun (1770 steps x 393,216 tokens) reads fewer than 9 shards

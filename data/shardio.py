@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root
-from train_gpt import UsageError  # noqa: E402  (the one user-error type of the repository)
+from tools.cli import UsageError  # noqa: E402  (the user-error type of the programs without torch)
 
 MAGIC = 20240520
 VERSION = 1

@@ -60,7 +60,48 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root
-from train_gpt import UsageError, parse_progress_line, run_cli  # noqa: E402  (the run log's one reader)
+from tools.cli import UsageError, run_cli  # noqa: E402  (no torch: this reader runs on any laptop)
+
+# The run log's progress lines, as train_gpt.py's progress_line() writes them: the one reader (bench/ and the
+# tests use it too). The units are those of the trainer's PROGRESS_FIELDS (tests/test_records.py holds the two
+# to each other); the public speedrun's logs use the same "step:S/N val_loss:... train_time:...ms" shape.
+PROGRESS_UNITS = ("J", "ms")
+
+
+@dataclass
+class ProgressLine:
+    step: int | None  # None for the final line
+    total: int | None
+    fields: dict[str, float]
+
+
+def parse_progress_line(line: str) -> ProgressLine | None:
+    """The fields of a progress line (units stripped, 'nan' allowed), or None for any other line.
+    A line holding braces is a format string quoted from source code, never data."""
+    words = line.strip().split()
+    if not words or "{" in line or "}" in line:
+        return None
+    if words[0] == "final:":
+        step = total = None
+    elif words[0].startswith("step:") and words[0].count("/") == 1:
+        s, _, n = words[0][len("step:"):].partition("/")
+        if not (s.isdigit() and n.isdigit()):
+            return None
+        step, total = int(s), int(n)
+    else:
+        return None
+    values = {}
+    for word in words[1:]:
+        name, sep, text = word.partition(":")
+        unit = next((u for u in PROGRESS_UNITS if text.endswith(u) and text != u), "")
+        try:
+            values[name] = float(text[:len(text) - len(unit)])
+        except ValueError:
+            return None
+        if not sep or not name.replace("_", "").isalnum():
+            return None
+    return ProgressLine(step, total, values) if values else None
+
 
 INSTALL_HINT = "pip install -r requirements-extras.txt"
 

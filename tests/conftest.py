@@ -13,6 +13,7 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+from records.read_records import parse_progress_line  # noqa: E402  (the run log's one reader)
 
 # The offline GPT-2 vocabulary: where .ci/run points TIKTOKEN_CACHE_DIR, else shared/ beside the checkout.
 TIKTOKEN_CACHE = Path(os.environ.get("TIKTOKEN_CACHE_DIR") or REPO.parent / "shared" / "data" / "gpt2" / "tiktoken_cache")
@@ -93,8 +94,7 @@ def start_two_ranks_until_step_3(args, log):
 
 def progress_field(text, name):
     """{step: value} of one field of a run log's step lines, read with the trainer's own parser."""
-    import train_gpt as T
-    lines = (T.parse_progress_line(line) for line in text.splitlines() if line.startswith("step:"))
+    lines = (parse_progress_line(line) for line in text.splitlines() if line.startswith("step:"))
     return {line.step: line.fields[name] for line in lines if line is not None and name in line.fields}
 
 

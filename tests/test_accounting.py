@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import train_gpt as T
-from conftest import REPO, TINY, run_trainer
+from conftest import parse_progress_line, REPO, TINY, run_trainer
 
 CPU_RANK0 = T.Runtime(0, 0, 1, torch.device("cpu"), torch.float32, "banded", False, False)
 
@@ -127,12 +127,12 @@ def test_profiler_writes_a_chrome_trace_per_rank(tmp_path):
 def test_progress_lines_round_trip_through_the_one_parser():
     line = T.progress_line(7, 60, train_loss=5.123456, train_time=1234.4, step_avg=176.34)
     assert line == "step:7/60 train_loss:5.1235 train_time:1234ms step_avg:176.34ms"
-    parsed = T.parse_progress_line(line)
+    parsed = parse_progress_line(line)
     assert (parsed.step, parsed.total, parsed.fields) == (7, 60, {"train_loss": 5.1235, "train_time": 1234.0,
                                                                   "step_avg": 176.34})
     final = T.progress_line(None, 60, val_loss=5.5, steps=60, tokens=122880, train_time=9.6)
     assert final == "final: val_loss:5.5000 steps:60 tokens:122880 train_time:10ms"
-    assert T.parse_progress_line(final).fields == {"val_loss": 5.5, "steps": 60, "tokens": 122880, "train_time": 10}
+    assert parse_progress_line(final).fields == {"val_loss": 5.5, "steps": 60, "tokens": 122880, "train_time": 10}
     with pytest.raises(KeyError):
         T.progress_line(1, 2, no_such_field=1.0)  # every field has its declared format
 
@@ -164,5 +164,5 @@ def test_the_loop_counts_training_energy_and_not_validation(tmp_path, monkeypatc
     assert T.main(TINY + ["--run_id=energy", f"--log_dir={tmp_path}"]) == 0
     summary = json.loads((tmp_path / "energy.json").read_text())
     assert summary["energy_j"] == pytest.approx(4.0)
-    assert [line.fields.get("energy") for line in map(T.parse_progress_line, (tmp_path / "energy.txt").read_text()
+    assert [line.fields.get("energy") for line in map(parse_progress_line, (tmp_path / "energy.txt").read_text()
             .splitlines()) if line is not None and "val_loss" in line.fields and line.step is not None] == [0, 2, 4]

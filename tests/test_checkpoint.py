@@ -14,7 +14,8 @@ import pytest
 import torch
 
 import train_gpt as T
-from conftest import RANK_DRIVER, REPO, SIX, TINY, run_main, run_trainer, start_two_ranks_until_step_3, train_losses
+from conftest import (RANK_DRIVER, REPO, SIX, TINY, parse_progress_line, run_main, run_trainer,
+                      start_two_ranks_until_step_3, train_losses)
 from rank_driver import REPORT as LEFT_BEHIND_REPORT
 
 def final_model(log_dir, run_id, step=6):
@@ -233,7 +234,7 @@ def test_a_hung_rank_stops_the_others_after_the_collective_timeout(tmp_path):
 
 
 def final_val_loss(text):
-    lines = [T.parse_progress_line(line) for line in text.splitlines() if line.startswith("final:")]
+    lines = [parse_progress_line(line) for line in text.splitlines() if line.startswith("final:")]
     return lines[-1].fields["val_loss"]
 
 

@@ -18,8 +18,9 @@ import pytest
 import torch
 
 import train_gpt as T
-from conftest import REPO, TINY, run_main, run_trainer, start_two_ranks_until_step_3, train_losses
+from conftest import REPO, TINY, parse_progress_line, run_main, run_trainer, start_two_ranks_until_step_3, train_losses
 from tools import loading
+from tools.loading import run_tool
 
 
 def one_line_error(result, code=2):
@@ -330,7 +331,7 @@ def test_the_tools_verify_checkpoint_bytes_like_the_trainer(tmp_path, tiny_run):
 
 def export_cli(*args):
     from tools import export
-    return T.run_cli(lambda: export.main([str(a) for a in args]))
+    return run_tool(lambda: export.main([str(a) for a in args]))
 
 
 def test_export_never_replaces_a_file_it_did_not_write(tmp_path, tiny_run, capsys):
@@ -375,7 +376,7 @@ def test_a_twice_resumed_run_records_its_segments_and_the_reader_shows_them(tmp_
     assert summary["total_train_time_ms"] == pytest.approx(sum(s["train_time_ms"] for s in segments))
     assert summary["train_time_ms"] == segments[-1]["train_time_ms"]
     final = next(line for line in (tmp_path / "seg.txt").read_text().splitlines() if line.startswith("final:"))
-    fields = T.parse_progress_line(final).fields
+    fields = parse_progress_line(final).fields
     assert fields["tokens"] == summary["tokens"] and fields["resumes"] == 2
     assert fields["total_train_time"] == pytest.approx(summary["total_train_time_ms"], abs=1)
     for path in (tmp_path / "seg.txt", tmp_path / "seg.json"):  # each of the trainer's files, read alone
@@ -422,7 +423,7 @@ def test_tool_argument_errors_are_one_line(tool_args, message, capsys, monkeypat
     import importlib
     program = importlib.import_module(f"tools.{tool_args[0].removesuffix('.py')}")
     monkeypatch.setattr(sys, "argv", [str(REPO / "tools" / tool_args[0])])  # argparse names the program from it
-    assert T.run_cli(lambda: program.main(tool_args[1:])) == 2
+    assert run_tool(lambda: program.main(tool_args[1:])) == 2
     err = capsys.readouterr().err
     assert err.strip().splitlines() == [err.strip()] and err.startswith(f"error: {message} (see {tool_args[0]} --help)")
 

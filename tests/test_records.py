@@ -93,20 +93,23 @@ def test_group_stats_verdict():
 
 # ---------------------------------------------------------------- parsing
 
-def test_the_reader_parses_progress_lines_with_the_trainers_parser():
+def test_the_reader_parses_what_the_trainers_one_writer_writes():
     import train_gpt as T
-    assert rr.parse_progress_line is T.parse_progress_line  # one reader of the run log, shared
-    line = T.parse_progress_line("step:3/80 val_loss:6.1234 train_time:98ms step_avg:32.67ms")
+    # the units the reader strips are the ones the trainer writes
+    assert set(rr.PROGRESS_UNITS) == {unit for _, unit in T.PROGRESS_FIELDS.values() if unit}
+    written = T.progress_line(3, 80, val_loss=6.12345, train_time=98.4, step_avg=32.666, energy=12.3)
+    line = rr.parse_progress_line(written)
     assert (line.step, line.total) == (3, 80)
-    assert line.fields == {"val_loss": 6.1234, "train_time": 98.0, "step_avg": pytest.approx(32.67)}
-    assert T.parse_progress_line("step:{step}/{train_steps} val_loss:{val_loss:.4f}") is None
-    assert T.parse_progress_line('    print0(f"step:{step}/{n} train_time:{t:.0f}ms")') is None
-    assert T.parse_progress_line("step:1/2") is None
-    assert T.parse_progress_line("step:1/2 loss:abc") is None
-    assert math.isnan(T.parse_progress_line("step:0/80 val_loss:10.8258 train_time:0ms step_avg:nanms")
+    assert line.fields == {"val_loss": 6.1235, "train_time": 98.0, "step_avg": pytest.approx(32.67), "energy": 12.0}
+    assert rr.parse_progress_line("step:{step}/{train_steps} val_loss:{val_loss:.4f}") is None
+    assert rr.parse_progress_line('    print0(f"step:{step}/{n} train_time:{t:.0f}ms")') is None
+    assert rr.parse_progress_line("step:1/2") is None
+    assert rr.parse_progress_line("step:1/2 loss:abc") is None
+    assert math.isnan(rr.parse_progress_line("step:0/80 val_loss:10.8258 train_time:0ms step_avg:nanms")
                       .fields["step_avg"])  # the public logs' first line
-    final = T.parse_progress_line("final: val_loss:3.2790 steps:1770 tokens:696000000 train_time:175000ms")
-    assert final.step is None and final.fields["tokens"] == 696_000_000
+    final = rr.parse_progress_line(T.progress_line(None, 1770, val_loss=3.279, steps=1770, tokens=696000000,
+                                                   train_time=175000, total_train_time=180000, resumes=1))
+    assert final.step is None and final.fields["tokens"] == 696_000_000 and final.fields["total_train_time"] == 180000
 
 
 def test_project_txt_and_json_pair_is_one_run():

@@ -72,3 +72,34 @@ def test_ci_runs_the_readme_test_command():
     assert command, "README names no test command"
     ci = (REPO / ".ci" / "run").read_text()
     assert "python3 -m pytest tests" in ci and "-r requirements.txt" in ci and '"$status" -eq 5' in ci
+
+
+WITHOUT_TORCH = """import os, runpy, sys
+sys.modules["torch"] = None  # any `import torch` now fails, as on a machine without it
+sys.argv = sys.argv[1:]
+sys.path.insert(0, os.path.dirname(sys.argv[0]))  # as `python program.py` does
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def run_without_torch(*argv):
+    return subprocess.run(["python3", "-c", WITHOUT_TORCH, *map(str, argv)], capture_output=True, text=True,
+                          timeout=60, cwd=REPO)
+
+
+def test_the_file_programs_run_without_torch(tiny_run):
+    """data/ (on a login node) and records/ (on a laptop) read and write files only: no torch, no trainer."""
+    for program in ("data/fineweb.py", "data/cached_fineweb10B.py"):  # (hub_shards.py: their library)
+        done = run_without_torch(REPO / program, "--help")
+        assert done.returncode == 0 and "usage:" in done.stdout, (program, done.stderr[-1000:])
+    done = run_without_torch(REPO / "records" / "read_records.py", tiny_run / "tiny.txt", tiny_run / "tiny.json")
+    assert done.returncode == 0 and "| tiny " in done.stdout, done.stderr[-1000:]
+    done = run_without_torch(REPO / "records" / "read_records.py", tiny_run / "nothing_here")
+    assert done.returncode == 2 and "\nerror: no run could be read" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_torch_free_programs_end_like_the_trainer():
+    """tools/cli.py's exit statuses are the trainer's (the trainer stays one file and imports nothing)."""
+    import train_gpt as T
+    from tools import cli
+    assert (cli.EXIT_OK, cli.EXIT_USAGE, cli.EXIT_PEER_LOST) == (T.EXIT_OK, T.EXIT_USAGE, T.EXIT_PEER_LOST)

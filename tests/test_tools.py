@@ -17,6 +17,7 @@ from conftest import REPO, TIKTOKEN_CACHE, TINY, TOKENIZER_ENV, run_trainer
 from conftest import needs_gpt2_vocab as needs_tokenizer
 from tools import hellaswag as H
 from tools import loading, sample
+from tools.loading import run_tool
 from tools.export import export, load_exported
 
 EOT = T.EOT_TOKEN
@@ -336,7 +337,7 @@ def test_corrupt_download_is_refused_with_the_url(monkeypatch, tmp_path):
 
 def test_unreachable_file_is_one_line_with_the_url(monkeypatch, tmp_path, capsys, checkpoint):
     monkeypatch.setattr(H.urllib.request, "urlopen", FakeServer(None))
-    assert T.run_cli(lambda: H.main([str(checkpoint), "--cache_dir", str(tmp_path)])) == 2
+    assert run_tool(lambda: H.main([str(checkpoint), "--cache_dir", str(tmp_path)])) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "cannot download the HellaSwag validation file" in err[0] and H.URL in err[0]
 

@@ -24,7 +24,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tools.loading import (EXPORT_CONFIG, EXPORT_WEIGHTS, LoadedModel, OneLineArgumentParser, T, build,  # noqa: E402,E501
-                           hyperparameters_from, load_model, pick_device)
+                           hyperparameters_from, load_model, pick_device, run_tool)
 
 FORMAT = "gpt2-speedrun"
 FORMAT_VERSION = 1
@@ -117,4 +117,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(T.run_cli(main))
+    sys.exit(run_tool(main))

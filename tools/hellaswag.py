@@ -27,7 +27,7 @@ import torch.nn.functional as F
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tools.loading import OneLineArgumentParser, T, gpt2_tokenizer, load_model  # noqa: E402
+from tools.loading import OneLineArgumentParser, T, gpt2_tokenizer, load_model, run_tool  # noqa: E402
 
 COMMIT = "a29ff8e9a04bba4bd6588223785ce105328adc57"  # github.com/rowanz/hellaswag
 URL = f"https://raw.githubusercontent.com/rowanz/hellaswag/{COMMIT}/data/hellaswag_val.jsonl"
@@ -245,4 +245,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(T.run_cli(main))
+    sys.exit(run_tool(main))

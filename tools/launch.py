@@ -19,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import train_gpt as T  # noqa: E402
+from tools.cli import EXIT_OK, EXIT_PEER_LOST, one_line, run_cli  # noqa: E402
 
 DEFAULT_JOIN_TIMEOUT_S = 600  # torch.distributed.elastic's c10d rendezvous default
 
@@ -31,7 +31,7 @@ def rendezvous_line(argv: list[str], error: BaseException) -> str:
     conf = dict(kv.split("=", 1) for kv in args.rdzv_conf.split(",") if "=" in kv)
     timeout = conf.get("join_timeout", DEFAULT_JOIN_TIMEOUT_S)
     what = type(error).__name__.removeprefix("Rendezvous").removesuffix("Error").lower() or "error"
-    detail = T.one_line(error) if str(error).strip() else what
+    detail = one_line(error) if str(error).strip() else what
     return (f"the rendezvous at {args.rdzv_endpoint} ({args.rdzv_backend}, id {args.rdzv_id}) did not form "
             f"within join_timeout={timeout}s ({detail}): start the same command on all {args.nnodes} node(s) "
             f"with the same --rdzv_endpoint and --rdzv_id, check that {args.rdzv_endpoint} is reachable from "
@@ -47,15 +47,15 @@ def main(argv: list[str] | None = None) -> int:
         torchrun_main(argv)
     except RendezvousError as e:
         print(f"error: {rendezvous_line(argv, e)}", file=sys.stderr, flush=True)
-        return T.EXIT_PEER_LOST
+        return EXIT_PEER_LOST
     except ChildFailedError as e:  # the worker's own error line is already on stderr
         rank, failure = e.get_first_failure()
         status = failure.exitcode if failure.exitcode >= 0 else 128 - failure.exitcode
         print(f"error: worker rank {rank} ended with exit status {status} (its own error line is above)",
               file=sys.stderr, flush=True)
         return status
-    return T.EXIT_OK
+    return EXIT_OK
 
 
 if __name__ == "__main__":
-    sys.exit(T.run_cli(main, interrupted="the workers were stopped"))
+    sys.exit(run_cli(main, interrupted="the workers were stopped"))

@@ -19,9 +19,15 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 import train_gpt as T  # noqa: E402
+from tools.cli import run_cli  # noqa: E402
+
+
+def run_tool(main, interrupted: str = "nothing was lost") -> int:
+    """How a tool ends: run_cli, with the trainer's UsageError (which the model code raises) as a usage error."""
+    return run_cli(main, interrupted, usage_errors=(T.UsageError,))
 
 class OneLineArgumentParser(argparse.ArgumentParser):
-    """argparse for the tools: a bad argument is the one 'error: ...' line (exit 2) that T.run_cli prints for
+    """argparse for the tools: a bad argument is the one 'error: ...' line (exit 2) that run_tool prints for
     every usage error, not argparse's usage block; --help still prints the whole usage."""
 
     def error(self, message: str):

@@ -20,7 +20,7 @@ import torch
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tools.loading import OneLineArgumentParser, T, gpt2_tokenizer, load_model  # noqa: E402
+from tools.loading import OneLineArgumentParser, T, gpt2_tokenizer, load_model, run_tool  # noqa: E402
 
 EOT = T.EOT_TOKEN
 END_OF_RUN_TOKENS = 64  # --sample_at_end: short samples from a document start ...
@@ -155,4 +155,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(T.run_cli(main))
+    sys.exit(run_tool(main))
