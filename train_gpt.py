@@ -64,15 +64,23 @@ EOT_TOKEN = 50256  # <|endoftext|>: every document starts with it
 BLOCK_SIZE = 128  # attention mask granularity and window unit, in tokens
 
 
-class UsageError(Exception):
-    """An expected bad condition (flag, data, checkpoint, file, environment): reported as one line that
-    says what to do, no traceback. tools/cli.py has the torch-free twin that data/ and records/ raise."""
-
-
 # Exit statuses, the same for every program here (README, "Errors and exit statuses"; tools/cli.py has the rest).
 EXIT_OK = 0
 EXIT_USAGE = 2  # a UsageError: the one-line message says what to fix
 EXIT_PEER_LOST = 3  # a collective failed: another rank died or stopped answering
+EXIT_RUN_FAILED = 4  # a RunFailed: the run itself failed (diverged, out of data, disk full), not its input
+
+
+class UsageError(Exception):
+    """An expected bad condition (flag, data, checkpoint, file, environment): reported as one line that
+    says what to do, no traceback. tools/cli.py has the torch-free twin that data/ and records/ raise."""
+    exit_status = EXIT_USAGE
+
+
+class RunFailed(UsageError):
+    """A run that started well and failed on its own (diverged, ran out of data, a full disk, a full KV cache):
+    one line that says what to do, like a UsageError, but its own exit status, since no flag was wrong."""
+    exit_status = EXIT_RUN_FAILED
 
 
 # -----------------------------------------------------------------------------
@@ -701,7 +709,7 @@ class TokenStream:
         self._forget_shard()
         if self.shard == len(self.files):
             if not self.cycle:
-                raise UsageError(f"ran out of training data after {self.epoch + 1} pass(es) over {len(self.files)} "
+                raise RunFailed(f"ran out of training data after {self.epoch + 1} pass(es) over {len(self.files)} "
                                  "shard(s); download more shards or pass --train_cycle=true to repeat them")
             self.shard, self.epoch = 0, self.epoch + 1
 
@@ -1438,7 +1446,7 @@ class KVCache:
         """Appends tokens' document ids; returns the position of the first one."""
         n = tokens.numel()
         if self.length + n > self.max_len:
-            raise UsageError(f"sequence of {self.length + n} tokens exceeds the cache's {self.max_len} positions")
+            raise RunFailed(f"sequence of {self.length + n} tokens exceeds the cache's {self.max_len} positions")
         previous = self.docs[self.length - 1] if self.length else 0
         self.docs[self.length:self.length + n] = previous + document_ids(tokens)
         self.tokens[self.length:self.length + n] = tokens
@@ -2114,7 +2122,7 @@ class RunLog:
             self.file.write(line + "\n")
             self.file.flush()
         except OSError as e:
-            raise UsageError(f"cannot write run log {self.path}: {e.strerror}; free disk space and resume "
+            raise RunFailed(f"cannot write run log {self.path}: {e.strerror}; free disk space and resume "
                              "from the last checkpoint") from None
 
 
@@ -2518,7 +2526,7 @@ def save_checkpoint(state: TrainingState, args: Hyperparameters, rt: Runtime, ru
     if not ranks_agree(not error, rt):
         shutil.rmtree(staging, ignore_errors=True)
         previous = complete_checkpoints(root)
-        raise UsageError(f"cannot write checkpoint {final} ({error or 'failed on another rank'}); partial files "
+        raise RunFailed(f"cannot write checkpoint {final} ({error or 'failed on another rank'}); partial files "
                          f"removed, previous checkpoint {previous[-1] if previous else '(none)'} is intact; "
                          f"free disk space ({free_mib(root)}) and resume with --resume=latest")
     if rt.is_master:
@@ -2554,7 +2562,7 @@ class FiniteWatch:
 def save_finite_checkpoint(t: Trainer, watch: FiniteWatch, step: int, segments: list[dict]) -> Path:
     """save_checkpoint, refused (and the run stopped) once the loss or the weights are not finite."""
     if not watch.state_is_finite(t.model, t.rt):
-        raise UsageError(f"the loss or the weights became non-finite between step {watch.good_step} and step "
+        raise RunFailed(f"the loss or the weights became non-finite between step {watch.good_step} and step "
                          f"{step}; no checkpoint written, {watch.hint()}: resume from it with lower learning rates")
     state = training_state(t.model, t.opt, t.stream, step, segments)
     watch.newest_good = save_checkpoint(state, t.args, t.rt, t.run_id, t.log, watch.resumed_from)
@@ -2964,7 +2972,7 @@ def write_summary(path: Path, summary: dict, log: RunLog) -> None:
         path.with_suffix(".json.part").write_text(json.dumps(summary, indent=1))
         os.replace(path.with_suffix(".json.part"), path)
     except OSError as e:
-        raise UsageError(f"cannot write {path}: {e.strerror}; the run log {log.path} is complete") from None
+        raise RunFailed(f"cannot write {path}: {e.strerror}; the run log {log.path} is complete") from None
 
 
 def train(argv: list[str]) -> int:
@@ -3162,7 +3170,7 @@ def validate(t: Trainer, step: int, start_step: int, clock: Clock, progress: Pro
                               step_avg=clock.ms / max(step - start_step, 1),
                               **({"energy": joules} if joules is not None else {})))
     if not math.isfinite(progress.val_loss):
-        raise UsageError(f"validation loss is {progress.val_loss} at step {step}; the run diverged "
+        raise RunFailed(f"validation loss is {progress.val_loss} at step {step}; the run diverged "
                          f"(lower the learning rates and resume: {watch.hint()})")
 
 
@@ -3205,7 +3213,7 @@ def log_train_step(t: Trainer, step: int, start_step: int, loss: Tensor, clock: 
         return
     train_loss = mean_over_ranks(loss, t.rt)
     if not math.isfinite(train_loss):
-        raise UsageError(f"training loss is {train_loss} at step {step}; stopping (lower the learning rates and "
+        raise RunFailed(f"training loss is {train_loss} at step {step}; stopping (lower the learning rates and "
                          f"resume: {watch.hint()})")
     t.log.write(progress_line(step, t.args.num_iterations, train_loss=train_loss, **timing))
 
@@ -3271,9 +3279,9 @@ def is_collective_failure(e: Exception) -> bool:
 def main(argv: list[str] | None = None) -> int:
     try:
         return train(sys.argv[1:] if argv is None else argv)
-    except UsageError as e:
+    except UsageError as e:  # RunFailed too, with its own status
         print(f"error: {e}", file=sys.stderr, flush=True)
-        return EXIT_USAGE
+        return e.exit_status
     except Interrupted as e:
         print(f"error: stopped by signal {signal.Signals(e.signum).name} before the first training step; nothing "
               "was trained or saved: run again (or resume from the last checkpoint)", file=sys.stderr, flush=True)

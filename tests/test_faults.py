@@ -14,6 +14,7 @@ import time
 from dataclasses import fields
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -41,7 +42,7 @@ def test_1_divergence_keeps_the_good_checkpoints(tmp_path, monkeypatch):
     monkeypatch.setattr(T, "lr_multiplier", lambda step, *a: float("nan") if step >= 4 else real(step, *a))
     result = run_main(TINY + ["--num_iterations=8", "--val_every=0", "--log_train_loss=false", "--run_id=div",
                               "--checkpoint_every=1", "--checkpoint_keep=2"], tmp_path)
-    line = one_line_error(result)
+    line = one_line_error(result, T.EXIT_RUN_FAILED)  # the run failed; no flag was wrong
     kept = sorted((tmp_path / "div").glob("step_*"))
     assert [c.name for c in kept] == ["step_000003", "step_000004"] and all(all_finite(c) for c in kept)
     assert "non-finite between step 4 and step 5" in line and f"newest good checkpoint is {kept[-1]}" in line
@@ -89,7 +90,7 @@ def small_disk(tmp_path):
 def test_3_full_disk_is_one_line_and_cleans_up(small_disk):
     result = run_trainer(TINY + ["--num_iterations=4", "--val_every=0", "--run_id=full", "--checkpoint_every=1"],
                          small_disk)
-    line = one_line_error(result)
+    line = one_line_error(result, T.EXIT_RUN_FAILED)
     assert "cannot write checkpoint" in line and "partial files removed" in line
     assert f"previous checkpoint {small_disk / 'full' / 'step_000001'} is intact" in line
     assert sorted(p.name for p in (small_disk / "full").iterdir()) == ["step_000001"]
@@ -435,3 +436,15 @@ def test_a_checkpoint_of_other_model_switches_is_refused_by_name_not_called_corr
     assert "holds other tensors than this run's model and optimizers (this run has adam/backout_lambda/" in line
     assert "it was written with smear=False here True, backout=False here True: pass its flags" in line
     assert "corrupt" not in line
+
+
+def test_running_out_of_training_data_is_a_failed_run_not_a_usage_error(tmp_path):
+    """Exit 4 (EXIT_RUN_FAILED) says the run failed on its own; 2 stays for what the user must fix."""
+    val = np.fromfile(REPO / "data" / "sample" / "sotu_val_000000.bin", dtype="<u2", offset=T.HEADER_BYTES)
+    header = np.zeros(256, dtype="<i4")
+    header[:3] = (T.SHARD_MAGIC, T.SHARD_VERSION, 1200)  # a shard of 1200 tokens: 2 steps of 512 and a bit
+    small = tmp_path / "small_train_000001.bin"
+    small.write_bytes(header.tobytes() + val[:1200].astype("<u2").tobytes())
+    line = one_line_error(run_main(TINY + [f"--train_files={small}", "--num_iterations=6", "--val_every=0"],
+                                   tmp_path / "logs"), T.EXIT_RUN_FAILED)
+    assert "ran out of training data after 1 pass(es) over 1 shard(s)" in line and "--train_cycle=true" in line

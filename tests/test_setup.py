@@ -102,4 +102,6 @@ def test_torch_free_programs_end_like_the_trainer():
     """tools/cli.py's exit statuses are the trainer's (the trainer stays one file and imports nothing)."""
     import train_gpt as T
     from tools import cli
-    assert (cli.EXIT_OK, cli.EXIT_USAGE, cli.EXIT_PEER_LOST) == (T.EXIT_OK, T.EXIT_USAGE, T.EXIT_PEER_LOST)
+    assert (cli.EXIT_OK, cli.EXIT_USAGE, cli.EXIT_PEER_LOST, cli.EXIT_RUN_FAILED) == \
+        (T.EXIT_OK, T.EXIT_USAGE, T.EXIT_PEER_LOST, T.EXIT_RUN_FAILED)
+    assert cli.run_cli(lambda: (_ for _ in ()).throw(T.RunFailed("full")), usage_errors=(T.UsageError,)) == 4

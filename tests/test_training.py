@@ -180,7 +180,7 @@ def test_a_refusal_reaches_the_terminal_as_one_line(tmp_path, tiny):
 def test_nan_loss_stops_the_run_naming_the_step(tmp_path, tiny):
     # A finite but absurd lr (a NaN one is refused at start-up) overflows the scalars in one step.
     result = run_main(tiny + ["--scalar_lr=1e38", "--val_every=0"], tmp_path)
-    assert result.returncode == 2
+    assert result.returncode == T.EXIT_RUN_FAILED
     assert "training loss is nan at step 2" in result.stderr
     assert "Traceback" not in result.stderr
     assert "step:2/4" not in only_log(tmp_path).read_text()

@@ -2,7 +2,7 @@
 machines that may not have it (a login node, a laptop), and tools/ share the same endings.
 
 A UsageError (an expected bad condition: a flag, a file, the network) is one 'error: ...' line and
-EXIT_USAGE; Ctrl-C is one line and 128 + SIGINT. train_gpt.py stays one file and imports nothing from here:
+EXIT_USAGE (the trainer's RunFailed, a usage error by type, carries EXIT_RUN_FAILED); Ctrl-C is one line and 128 + SIGINT. train_gpt.py stays one file and imports nothing from here:
 its own UsageError and exit statuses carry the same meaning (tests/test_setup.py holds the two to it), and
 the tools pass it to run_cli as one more usage-error type.
 """
@@ -17,6 +17,7 @@ EXIT_OK = 0
 EXIT_SOME_FAILED = 1  # a program that runs many jobs (bench/ablation.py) finished, but some of them failed
 EXIT_USAGE = 2  # a UsageError: the one-line message says what to fix
 EXIT_PEER_LOST = 3  # a collective failed (the trainer), or a rendezvous did not form (tools/launch.py)
+EXIT_RUN_FAILED = 4  # the run itself failed (diverged, out of data, disk full, a full KV cache), not its input
 
 
 class UsageError(Exception):
@@ -40,7 +41,7 @@ def run_cli(main, interrupted: str = "nothing was lost", usage_errors: tuple[typ
         return main()
     except (UsageError, *usage_errors) as e:
         print(f"error: {one_line(e)}", file=sys.stderr, flush=True)
-        return EXIT_USAGE
+        return getattr(e, "exit_status", EXIT_USAGE)  # the trainer's RunFailed says EXIT_RUN_FAILED
     except KeyboardInterrupt:
         print(f"error: interrupted; {interrupted}", file=sys.stderr, flush=True)
         return 128 + signal.SIGINT
