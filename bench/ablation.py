@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import os
 import subprocess
 import sys
@@ -45,6 +44,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 TRAINER = REPO / "train_gpt.py"
+sys.path.insert(0, str(REPO))
+from records.read_records import mean_std  # noqa: E402  (one mean and sample std for every table here)
 
 # name -> train_gpt.py overrides. Order is the table's order.
 VARIANTS: dict[str, list[str]] = {
@@ -164,19 +165,12 @@ class VariantStats:
     name: str
     seeds: list[int]
     final_mean: float
-    final_std: float  # sample std (ddof=1); 0 for a single seed
+    final_std: float  # sample std (ddof=1); nan for a single seed (records/read_records.py's mean_std)
     final_spread: float  # max - min of the final losses over seeds (the noise column); 0 for one seed
     curve: list[tuple[int, float]]  # (tokens, mean val loss over seeds) at the validation points all runs share
     tokens_per_s: float  # mean over runs of tokens / train_time
     budget_tokens: int
     failures: list[FailedRun] = field(default_factory=list)
-
-
-def mean_std(values: list[float]) -> tuple[float, float]:
-    n = len(values)
-    mean = sum(values) / n
-    std = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1)) if n > 1 else 0.0
-    return mean, std
 
 
 def tokens_to_reach(curve: list[tuple[int, float]], target: float) -> float | None:

@@ -45,11 +45,6 @@ def test_tokens_to_reach_takes_the_first_crossing_of_a_non_monotone_curve():
     assert A.tokens_to_reach(curve, 6.5) == pytest.approx(87.5)
 
 
-def test_mean_std_is_the_sample_std():
-    mean, std = A.mean_std([1.0, 2.0, 3.0, 4.0])
-    assert mean == 2.5 and std == pytest.approx(math.sqrt(5 / 3))
-    assert A.mean_std([3.0]) == (3.0, 0.0)
-
 
 def test_variant_stats_averages_curves_over_seeds():
     runs = [summary("full", 0, [10.0, 8.0, 6.0], train_time_ms=6144.0),

@@ -12,7 +12,6 @@ location into a cache and checked against the git blob id pinned below. GPT-2 sm
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import sys
@@ -27,6 +26,7 @@ import torch.nn.functional as F
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from data.shardio import git_blob_sha1  # noqa: E402  (torch-free, like everything in data/)
 from tools.loading import OneLineArgumentParser, T, gpt2_tokenizer, load_model, run_tool  # noqa: E402
 
 COMMIT = "a29ff8e9a04bba4bd6588223785ce105328adc57"  # github.com/rowanz/hellaswag
@@ -39,11 +39,6 @@ PACK_TOKENS = 1024  # candidates are scored packed into sequences of at most thi
 
 def default_cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "gpt2-speedrun"
-
-
-def git_blob_sha1(data: bytes) -> str:
-    """The id git gives a file: sha1 of b"blob <size>\\0" + content."""
-    return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
 
 
 def download(url: str, target: Path, expected: str) -> None:

@@ -95,8 +95,8 @@ def weights_shape(state: dict) -> dict[str, object]:
 
 def check_weights_fit(state: dict, args: T.Hyperparameters, where: Path) -> None:
     """Refuses weights of another model shape than the recorded hyperparameters describe, naming the field."""
-    recorded = {name: getattr(args, name) for name in ("vocab_size", "model_dim", "n_layer", "value_embeds",
-                                                       "unet_skips")}
+    # the trainer's shape fields, with heads x width as one: the tensors show only their product
+    recorded = {name: getattr(args, name) for name in T.MODEL_SHAPE_FIELDS if name not in ("n_head", "head_dim")}
     recorded["n_head*head_dim"] = args.n_head * args.head_dim
     for name, value in weights_shape(state).items():
         if recorded[name] != value:
