@@ -2731,22 +2731,28 @@ def choose_checkpoint(args: Hyperparameters, rt: Runtime) -> tuple[Path | None, 
                      f"verifies (newest: {notes[0].split(': ', 2)[-1]}); start afresh without --resume")
 
 
+OWNER_ONLY_PREFIXES = ("muon/", "normuon/")  # state that only the rank owning its matrix holds
+
+
 def check_same_tensors(path: Path, state: TrainingState, args: Hyperparameters, rt: Runtime) -> None:
-    """Refuses a checkpoint whose tensors are not this run's (another technique switched on or off, say), naming
-    the first difference and the model and optimizer flags that differ, rather than calling a healthy
-    checkpoint corrupt when DCP misses a key."""
+    """Refuses, on every rank, a checkpoint whose tensors are not this run's (another technique switched on or
+    off, say), naming the first difference and the model and optimizer flags that differ, rather than calling a
+    healthy checkpoint corrupt when DCP misses a key. Each rank holds the Muon state of its own matrices only."""
     stored = set(dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata)
     live = set(as_dcp_state(state, rt))
-    if stored == live:
+    lacking = sorted(live - stored)
+    extra = sorted(name for name in stored - live if not name.startswith(OWNER_ONLY_PREFIXES))
+    first = f"this run has {lacking[0]}, which it lacks" if lacking else f"it has {extra[0]}, which this run lacks" \
+        if extra else ""
+    if ranks_agree(not first, rt):
         return
     recorded = read_checkpoint_meta(path)["hyperparameters"]
     names = [f.name for f in fields(ModelConfig)] + list(OPTIMIZER_STRUCTURE_FIELDS)
     differ = [f"{n}={recorded.get(n, '(not recorded)')} here {getattr(args, n)}" for n in names
               if hasattr(args, n) and recorded.get(n) != getattr(args, n)]
-    first = f"this run has {sorted(live - stored)[0]}, which it lacks" if live - stored else \
-        f"it has {sorted(stored - live)[0]}, which this run lacks"
-    raise UsageError(f"checkpoint {path} holds other tensors than this run's model and optimizers ({first}); it was "
-                     f"written with {', '.join(differ[:4]) or 'other flags'}: pass its flags to resume it")
+    raise UsageError(f"checkpoint {path} holds other tensors than this run's model and optimizers "
+                     f"({first or 'on another rank'}); it was written with {', '.join(differ[:4]) or 'other flags'}: "
+                     "pass its flags to resume it")
 
 
 def load_checkpoint(path: Path, state: TrainingState, rt: Runtime, log: RunLog) -> TrainingState:
