@@ -2356,7 +2356,7 @@ class TrainingState:
     step: int
     loader: dict
     tensors: dict[str, Tensor | FlatShard]
-    segments: list[dict] = dataclasses.field(default_factory=list)  # the run's history: see Segment
+    segments: list[dict] = dataclasses.field(default_factory=list)  # the run's history: see segment()
 
 
 def training_state(model: GPT, opt: Optimizers, stream: TokenStream, step: int,
@@ -2628,6 +2628,11 @@ CHECKPOINT_META_TYPES = {"step": int, "loader": dict, "hyperparameters": dict, "
 CHECKPOINT_FILE_TYPES = {"bytes": int, "sha256": str}
 
 
+def is_a(value: object, kind: type) -> bool:
+    """isinstance for JSON values, where true/false must not pass for an int."""
+    return isinstance(value, kind) and not isinstance(value, bool)
+
+
 def meta_problem(meta: object) -> str:
     """What is wrong with a parsed checkpoint.json ('' if nothing): the keys its readers use, with their types."""
     if not isinstance(meta, dict):
@@ -2635,11 +2640,10 @@ def meta_problem(meta: object) -> str:
     for key, kind in CHECKPOINT_META_TYPES.items():
         if key not in meta:
             return f"it has no {key!r}"
-        if not isinstance(meta[key], kind) or isinstance(meta[key], bool):
+        if not is_a(meta[key], kind):
             return f"its {key!r} is {meta[key]!r}, not a {kind.__name__}"
     for name, record in meta["files"].items():
-        if not isinstance(record, dict) or any(not isinstance(record.get(k), kind) or isinstance(record.get(k), bool)
-                                               for k, kind in CHECKPOINT_FILE_TYPES.items()):
+        if not isinstance(record, dict) or not all(is_a(record.get(k), kind) for k, kind in CHECKPOINT_FILE_TYPES.items()):
             return f"its record of file {name!r} is {record!r}, not {{bytes, sha256}}"
     return ""
 
