@@ -2084,17 +2084,24 @@ def window_tensor(long_blocks: int, device: torch.device | str | None = None) ->
     return torch.tensor(window_pair(long_blocks), dtype=torch.int64, device=device)
 
 
-class WindowTensors:
-    """attention_windows of every step as device tensors made once at start-up, so that a training
-    step never copies the windows from the host (a copy that would wait for the device)."""
+class StepTensors:
+    """The schedules' per-step model inputs, made on the device once at start-up: a training step indexes
+    them and never copies from the host (a copy from pageable memory waits for the device to drain)."""
 
     def __init__(self, args: Hyperparameters, device: torch.device):
         self.args = args
         pairs = {attention_windows(step, args) for step in range(args.num_iterations + 1)}
-        self.tensors = {pair: torch.tensor(pair, dtype=torch.int64, device=device) for pair in pairs}
+        self.window_tensors = {pair: torch.tensor(pair, dtype=torch.int64, device=device) for pair in pairs}
+        self.mtp_table = torch.tensor([mtp_loss_weights(step, args.num_iterations, args.mtp_tokens)
+                                       for step in range(args.num_iterations + 1)], device=device) \
+            if args.mtp_tokens > 1 else None
 
-    def __call__(self, step: int) -> Tensor:
-        return self.tensors[attention_windows(step, self.args)]
+    def windows(self, step: int) -> Tensor:
+        return self.window_tensors[attention_windows(step, self.args)]
+
+    def mtp_weights(self, step: int) -> list[Tensor]:
+        """The model's optional loss-weights input: [the step's row] under --mtp_tokens > 1, else []."""
+        return [] if self.mtp_table is None else [self.mtp_table[min(step, self.args.num_iterations)]]
 
 
 # -----------------------------------------------------------------------------
@@ -3030,7 +3037,7 @@ class Trainer:
     opt: Optimizers
     stream: TokenStream
     loader: DistributedTokenLoader
-    windows: WindowTensors
+    schedules: StepTensors
     val_seqs: list[np.ndarray]
     hellaswag_items: list | None
     earlier_segments: list[dict] = dataclasses.field(default_factory=list)  # of the checkpoint resumed from
@@ -3063,15 +3070,14 @@ def set_up(args: Hyperparameters, rt: Runtime, log: RunLog, batches: BatchSchedu
     stream = TokenStream(train_files, args.vocab_size, cycle=args.train_cycle)
     loader = DistributedTokenLoader(stream, args.seq_len, rt.rank, rt.world_size, args.bos_align, args.doc_len_cap,
                                     rt.device)
-    return Trainer(args, rt, log, run_id, batches, model, compiled, opt, stream, loader, WindowTensors(args, rt.device),
+    return Trainer(args, rt, log, run_id, batches, model, compiled, opt, stream, loader, StepTensors(args, rt.device),
                    val_seqs, prepare_downstream(args, rt, model.context_len))
 
 
 def train_step(t: Trainer, step: int) -> Tensor:
     """One optimizer step over the stage's micro-batches; returns this rank's mean loss (on the device)."""
-    args, windows, accum = t.args, t.windows(step), t.batches.accum(step)
-    mtp = [torch.tensor(mtp_loss_weights(step, args.num_iterations, args.mtp_tokens), device=t.rt.device)] \
-        if args.mtp_tokens > 1 else []
+    args, windows, accum = t.args, t.schedules.windows(step), t.batches.accum(step)
+    mtp = t.schedules.mtp_weights(step)
     losses = []
     for i, (x, y) in enumerate(t.loader.next_batch(accum)):
         t.opt.sync.arm(i == accum - 1)
@@ -3093,7 +3099,7 @@ def warm_up(t: Trainer) -> None:
     saved = {name: local_part(x).clone() for name, x in live.tensors.items()}
     for step in range(t.args.warmup_steps):
         train_step(t, step)
-    evaluate(t.compiled, t.val_seqs[:1], t.windows(0), t.rt)
+    evaluate(t.compiled, t.val_seqs[:1], t.schedules.windows(0), t.rt)
     with torch.no_grad():
         for name, x in live.tensors.items():
             local_part(x).copy_(saved[name])
@@ -3173,7 +3179,7 @@ def profiling(t: Trainer):
 
 def validate(t: Trainer, step: int, start_step: int, clock: Clock, progress: Progress, watch: FiniteWatch) -> None:
     """Validation loss on the whole held-out budget, logged with the training time so far."""
-    progress.val_loss = evaluate(t.compiled, t.val_seqs, t.windows(step), t.rt)
+    progress.val_loss = evaluate(t.compiled, t.val_seqs, t.schedules.windows(step), t.rt)
     progress.val_curve.append([step, progress.val_loss, clock.ms])
     joules, _ = clock.energy.total(t.rt)
     t.log.write(progress_line(step, t.args.num_iterations, val_loss=progress.val_loss, train_time=clock.ms,
@@ -3186,7 +3192,7 @@ def validate(t: Trainer, step: int, start_step: int, clock: Clock, progress: Pro
 
 def score_hellaswag(t: Trainer, step: int, progress: Progress) -> None:
     started = time.perf_counter()
-    acc, acc_norm, n = hellaswag_accuracy(t.model, t.hellaswag_items, t.windows(step), t.rt)
+    acc, acc_norm, n = hellaswag_accuracy(t.model, t.hellaswag_items, t.schedules.windows(step), t.rt)
     progress.hellaswag_curve.append([step, acc, acc_norm, n])
     t.log.write(progress_line(step, t.args.num_iterations, hellaswag_acc=acc, hellaswag_acc_norm=acc_norm,
                               hellaswag_examples=n, hellaswag_time=1000 * (time.perf_counter() - started)))
@@ -3250,7 +3256,7 @@ def finish(t: Trainer, start_step: int, clock: Clock, progress: Progress, watch:
     resumed = {"total_train_time": total_ms, "resumes": len(segments) - 1} if len(segments) > 1 else {}
     log.write(progress_line(None, N, val_loss=progress.val_loss, steps=N, tokens=tokens, train_time=clock.ms,
                             **({k: v for k, v in resumed.items() if v is not None})))
-    samples = log_samples(t.model, args, t.windows(N), log) if args.sample_at_end > 0 and rt.is_master else []
+    samples = log_samples(t.model, args, t.schedules.windows(N), log) if args.sample_at_end > 0 and rt.is_master else []
     if args.checkpoint_final:
         save_finite_checkpoint(t, watch, N, segments)
     if rt.is_master:

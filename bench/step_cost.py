@@ -41,15 +41,14 @@ def time_variant(overrides: list[str], steps: int) -> tuple[float, float]:
     stream = T.TokenStream(T.find_shards(args.train_files, "training"), args.vocab_size, cycle=True)
     loader = T.DistributedTokenLoader(stream, args.seq_len, 0, 1, False, 0, rt.device)
     accum = STEP_TOKENS // args.seq_len
-    windows = T.WindowTensors(args, rt.device)
+    schedules = T.StepTensors(args, rt.device)
     forward_backward, optimizer = [], []
     for step in range(steps + 1):
-        extra = [torch.tensor(T.mtp_loss_weights(step, args.num_iterations, args.mtp_tokens))] \
-            if args.mtp_tokens > 1 else []
+        extra = schedules.mtp_weights(step)
         start = time.perf_counter()
         for i, (x, y) in enumerate(loader.next_batch(accum)):
             opt.sync.arm(i == accum - 1)
-            model(x, y, windows(step), *extra).backward()
+            model(x, y, schedules.windows(step), *extra).backward()
         middle = time.perf_counter()
         opt.step(1.0, args.muon_momentum, accum)
         model.zero_grad(set_to_none=True)

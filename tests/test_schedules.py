@@ -5,6 +5,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import train_gpt as T  # noqa: E402
+from conftest import TINY, run_main  # noqa: E402
 
 import math  # noqa: E402
 
@@ -103,12 +104,36 @@ def test_short_window_is_half_the_long_one_at_least_one_block(long, short, monke
     assert sorted(seen) == sorted([long, short])
 
 
-def test_every_step_has_its_window_pair_as_a_device_tensor():
-    args = speedrun()
-    windows = T.WindowTensors(args, torch.device("cpu"))
+def test_every_step_has_its_window_pair_and_mtp_weights_as_device_tensors():
+    args = speedrun("--mtp_tokens=3")
+    schedules = T.StepTensors(args, torch.device("cpu"))
     for step in (0, 1, 600, 1770):
-        assert windows(step).tolist() == list(T.window_pair(reference_window_blocks(step)))
-    assert windows(5) is windows(6)  # made once: the same tensor object while the window stays put
+        assert schedules.windows(step).tolist() == list(T.window_pair(reference_window_blocks(step)))
+        [weights] = schedules.mtp_weights(step)
+        assert weights.tolist() == torch.tensor(T.mtp_loss_weights(step, 1770, 3)).tolist()
+        assert weights.untyped_storage().data_ptr() == schedules.mtp_table.untyped_storage().data_ptr()  # a view
+    assert schedules.windows(5) is schedules.windows(6)  # made once: the same tensor object while the window stays put
+    assert T.StepTensors(speedrun(), torch.device("cpu")).mtp_weights(3) == []  # one-token loss: no input
+
+
+def test_a_training_step_makes_no_tensor_from_host_values(tmp_path, monkeypatch):
+    """On a GPU, torch.tensor(python values, device=cuda) is a copy from pageable memory that waits for the
+    device: a training step must only index what start-up put on the device (v2: windows and MTP weights)."""
+    train_step, calls = T.train_step, []
+
+    def guarded(*a, **k):
+        def host_tensor(*args, **kwargs):
+            raise AssertionError(f"torch.tensor{args!r:.60} inside a training step")
+        with pytest.MonkeyPatch.context() as inner:
+            inner.setattr(torch, "tensor", host_tensor)
+            calls.append(1)
+            return train_step(*a, **k)
+
+    monkeypatch.setattr(T, "train_step", guarded)
+    result = run_main(TINY + ["--recipe=v2", "--n_layer=4", "--mtp_tokens=3", "--batch_schedule=", "--bigram_vocab_size=512",
+                              "--bigram_dim=32", "--run_id=nocopy"], tmp_path)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert len(calls) == 4
 
 
 # ----------------------------------------------------------------------------- command line
