@@ -49,15 +49,19 @@ from fractions import Fraction
 from pathlib import Path
 
 import numpy as np
-import torch
-import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-import torch.nn as nn
-import torch.nn.functional as F
-from torch import Tensor
-from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor, Shard
+
+# The 2025-01 record's allocator setting, before torch starts CUDA (a user's own setting wins): training
+# (48K tokens) and validation (262K) graphs alternate, and fixed-size segments would fragment between them.
+os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.distributed.checkpoint as dcp  # noqa: E402
+import torch.nn as nn  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch import Tensor  # noqa: E402
+from torch.distributed.checkpoint.api import CheckpointException  # noqa: E402
+from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
+from torch.distributed.tensor import DTensor, Shard  # noqa: E402
 
 REPO_DIR = Path(__file__).resolve().parent
 EOT_TOKEN = 50256  # <|endoftext|>: every document starts with it
@@ -516,10 +520,11 @@ class Runtime:
     world_size: int
     device: torch.device
     dtype: torch.dtype
-    attention: str  # flex | sdpa
+    attention: str  # flex | banded
     fp8_head: bool
     compile: str  # model | loss | off
     chunked_loss: bool = False  # head + loss a chunk of rows at a time (ChunkedHeadLoss): the CPU path
+    compile_attention: bool = False  # flex_attention compiled on its own: the model around it is not compiled
 
     @property
     def is_master(self) -> bool:
@@ -537,7 +542,8 @@ class Runtime:
         """What start-up decided (not what was asked for): the summary and checkpoints record this."""
         return {"attention": self.attention, "fp8_head": self.fp8_head, "compile": self.compile,
                 "dtype": str(self.dtype).removeprefix("torch."), "device": str(self.device),
-                "chunked_loss": self.chunked_loss, "world_size": self.world_size}
+                "chunked_loss": self.chunked_loss, "compile_attention": self.compile_attention,
+                "world_size": self.world_size}
 
 
 def fp8_supported(device: torch.device) -> bool:
@@ -561,17 +567,25 @@ def setup_runtime(args: Hyperparameters) -> Runtime:
         dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo",
                                 timeout=timedelta(seconds=args.collective_timeout_s),
                                 device_id=device if device.type == "cuda" else None)
-    attention = args.attention if args.attention != "auto" else ("flex" if device.type == "cuda" else "banded")
-    # Inductor's CPU codegen is not reliable for the whole model; the loss alone is the big CPU win.
-    compile_mode = args.compile if args.compile != "auto" else ("model" if device.type == "cuda" else "loss")
-    if compile_mode == "model":
+    kernels = choose_kernels(args, device.type, fp8_supported(device))
+    if kernels["compile"] == "model":
         configure_inductor(args)
-    fp8_head = args.fp8_head and fp8_supported(device)
-    # On CPU the full fp32 logits cost more than the head matmuls; GPUs and whole-model compiles keep the plain loss.
     return Runtime(rank=rank, local_rank=local_rank, world_size=world_size, device=device,
-                   dtype=torch.bfloat16 if args.dtype == "bf16" else torch.float32,
-                   attention=attention, fp8_head=fp8_head, compile=compile_mode,
-                   chunked_loss=device.type == "cpu" and not fp8_head and compile_mode != "model")
+                   dtype=torch.bfloat16 if args.dtype == "bf16" else torch.float32, **kernels)
+
+
+def choose_kernels(args: Hyperparameters, device_type: str, fp8_capable: bool) -> dict:
+    """Runtime's kernel choices for a device: attention, FP8 head, what is compiled, the head + loss path."""
+    attention = args.attention if args.attention != "auto" else ("flex" if device_type == "cuda" else "banded")
+    # Inductor's CPU codegen is not reliable for the whole model; the loss alone is the big CPU win.
+    compile_mode = args.compile if args.compile != "auto" else ("model" if device_type == "cuda" else "loss")
+    fp8_head = args.fp8_head and fp8_capable
+    # On CPU the full fp32 logits cost more than the head matmuls; GPUs and whole-model compiles keep the plain loss.
+    # Uncompiled flex_attention materializes the whole score matrix (58 GB per layer at 48K tokens): outside a
+    # compiled model it is compiled on its own, as PyTorch's documentation prescribes.
+    return dict(attention=attention, fp8_head=fp8_head, compile=compile_mode,
+                chunked_loss=device_type == "cpu" and not fp8_head and compile_mode != "model",
+                compile_attention=attention == "flex" and compile_mode != "model")
 
 
 def configure_inductor(args: Hyperparameters) -> None:
@@ -960,13 +974,25 @@ class BandedAttention:
     attend = staticmethod(banded_attention)
 
 
+def flex_attention(*args, **kwargs) -> Tensor:
+    from torch.nn.attention.flex_attention import flex_attention as kernel
+    return FLEX_KERNEL.get("attend", kernel)(*args, **kwargs)
+
+
+FLEX_KERNEL: dict = {}  # "attend": flex_attention compiled on its own (compile_flex_attention), when set
+
+
+def compile_flex_attention() -> None:
+    from torch.nn.attention.flex_attention import flex_attention as kernel
+    FLEX_KERNEL["attend"] = torch.compile(kernel, dynamic=False)
+
+
 class FlexAttention:
     """Block-sparse FlexAttention: CUDA (its backward does not run on CPU)."""
     build_mask = staticmethod(sliding_window_block_mask)
 
     @staticmethod
     def attend(q: Tensor, k: Tensor, v: Tensor, mask, scale: float) -> Tensor:
-        from torch.nn.attention.flex_attention import flex_attention
         y = flex_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=mask, scale=scale)
         return y.transpose(1, 2)
 
@@ -976,23 +1002,28 @@ ATTENTION_BACKENDS = {"banded": BandedAttention, "flex": FlexAttention}
 
 # FP8 head: e4m3 operands forward, e5m2 gradients backward, scales fixed by the recipe.
 
+def inverse_scale(scale: float, device: torch.device) -> Tensor:
+    """torch._scaled_mm's fp32 scale operand, filled on the device (new_tensor would copy from the host and wait)."""
+    return torch.full((), 1 / scale, dtype=torch.float32, device=device)
+
+
 def fp8_forward_math(x: Tensor, w: Tensor, x_scale: float, w_scale: float) -> tuple[Tensor, Tensor, Tensor]:
     x_f8 = (x * x_scale).to(torch.float8_e4m3fn)
     w_f8 = (w * w_scale).to(torch.float8_e4m3fn)
     out = torch._scaled_mm(x_f8, w_f8.T, out_dtype=torch.bfloat16, use_fast_accum=True,
-                           scale_a=x.new_tensor(1 / x_scale, dtype=torch.float32),
-                           scale_b=x.new_tensor(1 / w_scale, dtype=torch.float32))
+                           scale_a=inverse_scale(x_scale, x.device), scale_b=inverse_scale(w_scale, x.device))
     return out, x_f8, w_f8
 
 
 def fp8_backward_math(grad: Tensor, x_f8: Tensor, w_f8: Tensor, x_scale: float, w_scale: float,
                       grad_scale: float) -> tuple[Tensor, Tensor]:
     grad_f8 = (grad * grad_scale).to(torch.float8_e5m2)
-    inv = lambda s: grad.new_tensor(1 / s, dtype=torch.float32)
+    inv = lambda s: inverse_scale(s, grad.device)
     grad_x = torch._scaled_mm(grad_f8, w_f8.T.contiguous().T, out_dtype=torch.bfloat16, use_fast_accum=False,
                               scale_a=inv(grad_scale), scale_b=inv(w_scale))
-    grad_w = torch._scaled_mm(grad_f8.T.contiguous(), x_f8.T.contiguous().T, out_dtype=torch.float32,
-                              use_fast_accum=False, scale_a=inv(grad_scale), scale_b=inv(x_scale))
+    # R: the record's orientation, (x^T grad)^T, "faster for (50304, 768)"; a transposed view, as the fake says
+    grad_w = torch._scaled_mm(x_f8.T.contiguous(), grad_f8.T.contiguous().T, out_dtype=torch.float32,
+                              use_fast_accum=False, scale_a=inv(x_scale), scale_b=inv(grad_scale)).T
     return grad_x, grad_w
 
 
@@ -1028,7 +1059,7 @@ def fp8_matmul_backward(grad: Tensor, x_f8: Tensor, w_f8: Tensor, x_scale: float
 
 @fp8_matmul_backward.register_fake
 def _(grad: Tensor, x_f8: Tensor, w_f8: Tensor, x_scale: float, w_scale: float, grad_scale: float):
-    return (x_f8.new_empty(x_f8.shape, dtype=torch.bfloat16), w_f8.new_empty(w_f8.shape, dtype=torch.float32))
+    return (x_f8.new_empty(x_f8.shape, dtype=torch.bfloat16), w_f8.new_empty(w_f8.shape[::-1], dtype=torch.float32).T)
 
 
 FP8_SCALES = dict(x_scale=2.0, w_scale=2.0 ** 9, grad_scale=2.0 ** 19)  # R (w from 2**5, grad from 2**29)
@@ -1330,7 +1361,8 @@ class GPT(nn.Module):
             check_model_inputs(tokens, targets, windows, self.vocab_size)
         if mtp_weights is not None:
             targets = multi_token_targets(targets, mtp_weights.numel())
-        if self.chunked_loss:
+        # Validation (eval, no grad) too: its 262K-token sequence would otherwise hold 26 GB of bf16 logits.
+        if self.chunked_loss or not (self.training or torch.is_grad_enabled()):
             return chunked_head_loss(self.final_hidden(tokens, windows)[0], self.lm_head.weight, targets,
                                      self.softcap, self.chunk_loss_fn, mtp_weights)
         if mtp_weights is not None:
@@ -1511,7 +1543,14 @@ def multi_token_cross_entropy(logits: Tensor, targets: Tensor, weights: Tensor, 
     return (sums / counts * weights).sum()
 
 
-HEAD_CHUNK_ROWS = 512  # rows of fp32 logits alive at once in the chunked head + loss
+HEAD_CHUNK_ROWS = 512  # rows of fp32 logits alive at once in the chunked head + loss (at least)
+MAX_HEAD_CHUNKS = 32  # longer sequences (GPU validation: 262K tokens) take bigger chunks, not more of them
+
+
+def head_chunks(n_rows: int) -> list[slice]:
+    """The row ranges the chunked head + loss takes one at a time."""
+    size = max(HEAD_CHUNK_ROWS, -(-n_rows // MAX_HEAD_CHUNKS))
+    return [slice(lo, lo + size) for lo in range(0, n_rows, size)]
 
 
 def softcapped_cross_entropy_chunk(logits: Tensor, targets: Tensor, softcap: Softcap, scales: Tensor,
@@ -1560,8 +1599,7 @@ class ChunkedHeadLoss(torch.autograd.Function):
         scales = weights / counts.float()
         grad_logits = h.new_empty(h.size(0), w.size(0))
         totals = torch.zeros(targets.size(1), dtype=torch.float32, device=h.device)
-        for lo in range(0, h.size(0), HEAD_CHUNK_ROWS):
-            rows = slice(lo, lo + HEAD_CHUNK_ROWS)
+        for rows in head_chunks(h.size(0)):
             loss_sums, grad_logits[rows] = kernel(F.linear(h[rows], w), targets[rows], softcap, scales, True)
             totals += loss_sums
         ctx.save_for_backward(h, w, grad_logits)
@@ -1588,17 +1626,20 @@ def chunked_head_loss(h: Tensor, weight: Tensor, targets: Tensor, softcap: Softc
     w = weight.type_as(h)
     counts = (targets != -100).sum(0).clamp_min(1)
     totals = torch.zeros(targets.size(1), dtype=torch.float32, device=h.device)
-    for lo in range(0, h.size(0), HEAD_CHUNK_ROWS):
-        rows = slice(lo, lo + HEAD_CHUNK_ROWS)
+    for rows in head_chunks(h.size(0)):
         totals += kernel(F.linear(h[rows], w), targets[rows], softcap, counts, False)[0]
     return (totals / counts * weights).sum()
 
 
 def check_model_inputs(tokens: Tensor, targets: Tensor, windows: Tensor, vocab_size: int) -> None:
     """Eager-mode guards that would otherwise surface as a wrong mask, a trained padding logit or a
-    device-side assert. Targets may hold -100, cross_entropy's ignore index."""
+    device-side assert. Targets may hold -100, cross_entropy's ignore index. The value checks run on CPU
+    tensors only: on a GPU each would wait for the device, and the trainer's inputs were checked on the
+    host already (load_shard's vocabulary check, StepTensors' windows)."""
     if windows.shape != (2,):
         raise ValueError(f"windows must be the (long, short) pair of window sizes, got shape {tuple(windows.shape)}")
+    if tokens.device.type != "cpu":
+        return
     if int(windows.min()) < 1:
         raise UsageError(f"attention window of {int(windows.min())} blocks is below one {BLOCK_SIZE}-token block")
     top = int(tokens.max())
@@ -1615,6 +1656,8 @@ def build_model(args: Hyperparameters, rt: Runtime) -> GPT:
                 chunked_loss=rt.chunked_loss).to(rt.device)
     if rt.fp8_head and rt.compile == "model":
         compile_fp8_kernels()
+    if rt.compile_attention:
+        compile_flex_attention()
     for module in model.modules():
         if isinstance(module, nn.Embedding):
             module.to(rt.dtype)
@@ -2192,7 +2235,8 @@ def environment_lines(rt: Runtime) -> list[str]:
              f"cuda: {torch.version.cuda if rt.is_cuda else 'n/a'}", f"device: {device_name(rt)}",
              f"world_size: {rt.world_size}",
              f"attention: {rt.attention} fp8_head: {rt.fp8_head} compile: {rt.compile} dtype: {rt.dtype} "
-             f"chunked_loss: {rt.chunked_loss}"]
+             f"chunked_loss: {rt.chunked_loss} compile_attention: {rt.compile_attention}",
+             f"PYTORCH_CUDA_ALLOC_CONF: {os.environ.get('PYTORCH_CUDA_ALLOC_CONF', '')}"]
     try:
         smi = subprocess.run(["nvidia-smi"], capture_output=True, text=True, timeout=20)
         if smi.returncode == 0:
@@ -2217,17 +2261,23 @@ def git_commit() -> str | None:
 
 
 class NvmlCounter:
-    """NVIDIA's total-energy counter of one GPU (millijoules since driver load)."""
+    """NVIDIA's total-energy counter of one GPU (millijoules since driver load), found by PCI bus id: NVML
+    numbers GPUs in PCI order and ignores CUDA_VISIBLE_DEVICES, so torch's index can name another GPU."""
     wrap_joules = None
 
-    def __init__(self, index: int, nvml=None):
+    def __init__(self, pci_bus_id: str, nvml=None):
         if nvml is None:
             import pynvml as nvml  # nvidia-ml-py, an optional extra
         nvml.nvmlInit()
-        self.nvml, self.handle = nvml, nvml.nvmlDeviceGetHandleByIndex(index)
+        self.nvml, self.handle = nvml, nvml.nvmlDeviceGetHandleByPciBusId(pci_bus_id)
 
     def read_joules(self) -> list[float]:
         return [self.nvml.nvmlDeviceGetTotalEnergyConsumption(self.handle) / 1000.0]
+
+
+def nvml_bus_id(props) -> str:
+    """NVML's domain:bus:device.function for torch.cuda.get_device_properties(device)."""
+    return f"{props.pci_domain_id:08X}:{props.pci_bus_id:02X}:{props.pci_device_id:02X}.0"
 
 
 class RaplCounters:
@@ -2258,7 +2308,7 @@ class EnergyMeter:
     def open(rt: Runtime, powercap_root: Path = Path("/sys/class/powercap"), nvml=None) -> "EnergyMeter":
         try:
             if rt.is_cuda:
-                return EnergyMeter(NvmlCounter(rt.device.index or 0, nvml))
+                return EnergyMeter(NvmlCounter(nvml_bus_id(torch.cuda.get_device_properties(rt.device)), nvml))
             if rt.local_rank != 0:
                 return EnergyMeter(None, "counted by local rank 0")
             return EnergyMeter(RaplCounters(powercap_root))

@@ -3,6 +3,7 @@ import json
 import subprocess
 import sys
 import textwrap
+import types
 
 import pytest
 import torch
@@ -23,9 +24,9 @@ class FakeNvml:
     def nvmlInit(self):
         pass
 
-    def nvmlDeviceGetHandleByIndex(self, index):
-        self.handles.append(index)
-        return f"gpu{index}"
+    def nvmlDeviceGetHandleByPciBusId(self, bus_id):
+        self.handles.append(bus_id)
+        return f"gpu at {bus_id}"
 
     def nvmlDeviceGetTotalEnergyConsumption(self, handle):
         return self.readings.pop(0)
@@ -52,11 +53,18 @@ def set_energy(root, i, value):
 def test_nvml_meter_sums_only_the_intervals_it_runs_for():
     rt = T.Runtime(0, 3, 1, torch.device("cpu"), torch.float32, "banded", False, False)
     nvml = FakeNvml([1_000_000, 1_500_000, 9_000_000, 9_250_000])  # start, stop, (validation), start, stop
-    meter = T.EnergyMeter(T.NvmlCounter(3, nvml))
+    meter = T.EnergyMeter(T.NvmlCounter("00000000:3B:00.0", nvml))
     meter.start(); meter.stop(); meter.start(); meter.stop()
     assert meter.joules == pytest.approx(500.0 + 250.0)
-    assert nvml.handles == [3]
+    assert nvml.handles == ["00000000:3B:00.0"]
     assert meter.total(rt) == (pytest.approx(750.0), 1)
+
+
+def test_the_gpu_is_found_by_its_pci_bus_id_not_its_cuda_index():
+    """Under CUDA_VISIBLE_DEVICES=3,5 torch's cuda:0 is NVML's GPU 3: the handle comes from the bus id."""
+    props = types.SimpleNamespace(pci_domain_id=0, pci_bus_id=0x3B, pci_device_id=0)  # as torch reports them
+    assert T.nvml_bus_id(props) == "00000000:3B:00.0"  # nvidia-smi's "Bus-Id" form
+    assert T.nvml_bus_id(types.SimpleNamespace(pci_domain_id=1, pci_bus_id=200, pci_device_id=31)) == "00000001:C8:1F.0"
 
 
 def test_rapl_sums_packages_skips_subdomains_and_survives_wraparound(tmp_path):

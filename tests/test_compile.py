@@ -11,9 +11,13 @@ import train_gpt as T  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+import torch.nn as nn  # noqa: E402
+from torch._dynamo.backends.common import aot_autograd  # noqa: E402
+from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
 
 EOT = T.EOT_TOKEN
 SEQ = 1024  # shorter than the speedrun's 48K: the graph is the same, only the sizes shrink
+VAL_SEQ = 2048  # validation's longer sequence (the speedrun's is 256K)
 
 
 def speedrun_args(*extra):
@@ -68,6 +72,86 @@ def test_speedrun_model_traces_as_one_graph_with_flex_and_fp8(monkeypatch, recip
     assert torch.isfinite(got) and abs(got.item() - 10.83 * (1.75 if mtp else 1)) < 1.5, got
     torch.testing.assert_close(got, eager, rtol=1e-3, atol=1e-3)
     assert watch.count == 0, watch.drain()
+
+
+
+HOST_SYNC_OPS = ("aten._local_scalar_dense", "aten.nonzero", "aten.item", "aten.is_nonzero", "aten.equal")
+
+
+def graph_ops(gm) -> set[str]:
+    return {str(node.target) for node in gm.graph.nodes if node.op == "call_function"}
+
+
+def host_syncs(gm) -> list[str]:
+    """The ops of a graph that read a device value on the host (each a full device sync on a GPU)."""
+    return sorted(op for op in graph_ops(gm) if op.startswith(HOST_SYNC_OPS)) + \
+        ([".item()"] if ".item(" in gm.code else [])
+
+
+def as_fake(model: nn.Module, mode: FakeTensorMode) -> nn.Module:
+    """The model with every parameter and buffer replaced by a fake tensor of its shape, dtype and device:
+    torch.compile traces it as it would the real one, and no kernel runs (FlexAttention's backward has no
+    CPU kernel, and the FP8 head's matmuls take minutes on some CPUs)."""
+    for module in model.modules():
+        for name, p in list(module._parameters.items()):
+            if p is not None:
+                module._parameters[name] = nn.Parameter(mode.from_tensor(p), requires_grad=p.requires_grad)
+        for name, b in list(module._buffers.items()):
+            if b is not None:
+                module._buffers[name] = mode.from_tensor(b)
+    return model
+
+
+def graph_recorder(graphs: dict, kind: str):
+    """An AOTAutograd compiler that keeps the graph and runs it as is (here on fake tensors)."""
+    def compile_graph(gm, example_inputs):
+        graphs.setdefault(kind, []).append(gm)
+        return gm
+    return compile_graph
+
+
+@pytest.mark.parametrize("recipe", ["reference", "v2"])
+def test_speedrun_forward_backward_and_validation_graphs_have_no_host_sync(monkeypatch, recipe):
+    """What AOTAutograd hands the compiler for the full-depth speedrun model: the training forward and
+    backward traced jointly, and the validation graph (eval, no grad, the longer sequence), each one graph
+    (fullgraph=True). The backward must hold the FP8 head's backward op and FlexAttention's backward, and no
+    graph may read a device value on the host. Traced on fake tensors: no kernel runs."""
+    import torch.nn.attention.flex_attention as flex_module
+    # flex_attention refuses CPU inputs that need grad up front (it has no CPU backward); nothing runs here
+    monkeypatch.setattr(flex_module, "_validate_device", lambda *_: None)
+    for kernel in ("forward", "backward"):  # build_model compiles the FP8 kernels (compile="model"): undone after
+        monkeypatch.setitem(T.FP8_KERNELS, kernel, T.FP8_KERNELS[kernel])
+    v2_shape = ["--bigram_vocab_size=4096", "--bigram_dim=64"] if recipe == "v2" else []  # fit the narrow stream
+    args = speedrun_args(f"--recipe={recipe}", "--batch_schedule=", "--model_dim=128", "--n_head=2", "--head_dim=64",
+                         f"--val_seq_len={VAL_SEQ}", f"--val_tokens={VAL_SEQ}", *v2_shape)
+    rt = T.Runtime(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"), dtype=torch.bfloat16,
+                   attention="flex", fp8_head=True, compile="model")
+    mode = FakeTensorMode()
+    torch.manual_seed(0)
+    model = as_fake(T.build_model(args, rt), mode)
+    assert args.n_layer == 12 and model.lm_head.fp8 and model.backend is T.FlexAttention
+    graphs: dict[str, list] = {}
+    backend = aot_autograd(fw_compiler=graph_recorder(graphs, "forward"), bw_compiler=graph_recorder(graphs, "backward"),
+                           inference_compiler=graph_recorder(graphs, "validation"))
+    compiled = torch.compile(model, fullgraph=True, backend=backend, dynamic=False)
+    train_tokens = mode.from_tensor(documents(SEQ + 1, [0, 300, 301, 900]))
+    val_tokens = mode.from_tensor(documents(VAL_SEQ + 1, [0, 700, 1500], seed=1))
+    mtp = [mode.from_tensor(torch.tensor([1.0, 0.5, 0.25]))] if recipe == "v2" else []
+    with mode:
+        model.train()
+        loss = compiled(train_tokens[:-1], train_tokens[1:], mode.from_tensor(T.window_tensor(3)), *mtp)
+        loss.backward()  # AOTAutograd compiles the backward graph on its first call
+        assert model.lm_head.weight.grad is not None and model.blocks[0].attn.qkv_w.grad is not None
+        model.eval()  # as evaluate() calls it
+        with torch.no_grad():
+            compiled(val_tokens[:-1], val_tokens[1:], mode.from_tensor(T.window_tensor(7)))
+    assert {kind: len(g) for kind, g in graphs.items()} == {"forward": 1, "backward": 1, "validation": 1}, graphs
+    forward, backward = graph_ops(graphs["forward"][0]), graph_ops(graphs["backward"][0])
+    assert "speedrun.fp8_matmul.default" in forward and "flex_attention" in forward, sorted(forward)
+    assert "speedrun.fp8_matmul_backward.default" in backward, sorted(backward)
+    assert "flex_attention_backward" in backward, sorted(backward)
+    for kind, (gm,) in graphs.items():
+        assert not host_syncs(gm), f"{kind} graph reads device values on the host: {host_syncs(gm)}"
 
 
 def test_newton_schulz_traces_as_one_graph():

@@ -404,6 +404,44 @@ def test_cpu_runtime_selects_the_chunked_loss_and_the_model_matches_the_plain_on
     assert rel_err(losses[1][1], losses[0][1]) < 1e-2 and rel_err(losses[1][2], losses[0][2]) < 2e-2
 
 
+@pytest.mark.parametrize("compile_mode, alone", [("auto", False), ("model", False), ("loss", True), ("off", True)])
+def test_flex_attention_is_compiled_on_its_own_when_the_model_is_not(monkeypatch, compile_mode, alone):
+    """Uncompiled flex_attention builds the dense score matrix (58 GB per layer at 48K tokens): --compile=off or
+    loss on a GPU, the first thing a user tries when compilation fails, must not run it eagerly."""
+    args = T.parse_args(["--preset=speedrun", f"--compile={compile_mode}"], cuda_available=True)
+    kernels = T.choose_kernels(args, "cuda", fp8_capable=True)
+    assert kernels["attention"] == "flex" and kernels["compile_attention"] is alone
+    assert not T.choose_kernels(T.parse_args(["--preset=cpu"], False), "cpu", False)["compile_attention"]
+    monkeypatch.setattr(T, "FLEX_KERNEL", {})
+    rt = T.Runtime(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"), dtype=torch.float32,
+                   **{**kernels, "fp8_head": False, "chunked_loss": False})
+    T.build_model(small_args(), rt)
+    compiled = T.FLEX_KERNEL.get("attend")
+    assert (compiled is not None) is alone
+    if alone:  # the model's attention calls go through the compiled kernel
+        from torch.nn.attention.flex_attention import flex_attention
+        assert getattr(compiled, "_torchdynamo_orig_callable", None) is flex_attention
+
+
+def test_validation_scores_the_head_a_chunk_at_a_time_on_every_path(monkeypatch):
+    """GPU path (chunked_loss off): in eval mode without grad the head + loss still goes a chunk of rows at a
+    time, so a 262K-token validation sequence never holds its 26 GB of logits; the loss is the plain one."""
+    assert [s.stop - s.start for s in T.head_chunks(262144)] == [8192] * 32  # bigger chunks, never more than 32
+    assert [s.stop - s.start for s in T.head_chunks(2048)] == [512] * 4  # the CPU's validation: unchanged
+    args = small_args("--seq_len=256", "--zero_init=false")
+    tokens = tokens_with_docs(1025, [0, 90, 700])
+    torch.manual_seed(0)
+    model = T.GPT(args, chunked_loss=False).eval()
+    with torch.no_grad():
+        plain = T.softcapped_cross_entropy(model.logits(tokens[:-1], T.window_tensor(4)), tokens[1:], model.softcap)
+        chunks = []
+        monkeypatch.setattr(T, "head_chunks", lambda n: chunks.append(n) or [slice(lo, lo + 256) for lo in range(0, n, 256)])
+        monkeypatch.setattr(model, "logits", None)  # the whole-sequence logits must not be made
+        got = model(tokens[:-1], tokens[1:], T.window_tensor(4))
+    assert chunks == [1024]
+    assert got.item() == pytest.approx(plain.item(), abs=1e-5)
+
+
 # ----------------------------------------------------------------------------- bad input
 
 def test_bad_model_input_refused():
