@@ -37,6 +37,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 import traceback
 import types
@@ -680,6 +681,34 @@ def load_shard(path: Path, vocab_size: int) -> np.ndarray:
     return tokens
 
 
+def document_starts(tokens: np.ndarray) -> np.ndarray:
+    """Positions of every <|endoftext|> in a shard: where documents begin."""
+    return np.flatnonzero(np.asarray(tokens) == EOT_TOKEN)
+
+
+class ShardReader:
+    """One shard read and checked (load_shard: every id in the vocabulary; its document starts) in a
+    background thread, so that the ~100M-token scans run while the device trains on the shard before."""
+
+    def __init__(self, index: int, path: Path, vocab_size: int):
+        self.index, self.result, self.error = index, None, None
+        self.thread = threading.Thread(target=self._read, args=(path, vocab_size), name="shard-reader", daemon=True)
+        self.thread.start()
+
+    def _read(self, path: Path, vocab_size: int) -> None:
+        try:
+            tokens = load_shard(path, vocab_size)
+            self.result = (tokens, document_starts(tokens))
+        except BaseException as e:  # handed to the training thread, which raises it where the shard is used
+            self.error = e
+
+    def get(self) -> tuple[np.ndarray, np.ndarray]:
+        self.thread.join()
+        if self.error is not None:
+            raise self.error
+        return self.result
+
+
 def find_shards(pattern: str, what: str) -> list[Path]:
     """Sorted shards matching a glob (relative to the working directory, else to this script's folder)."""
     matches = sorted(glob.glob(pattern))
@@ -695,11 +724,13 @@ def find_shards(pattern: str, what: str) -> list[Path]:
 class TokenStream:
     """The shards read in order as one stream. At the end it cycles only when asked to."""
 
-    def __init__(self, files: list[Path], vocab_size: int, cycle: bool):
+    def __init__(self, files: list[Path], vocab_size: int, cycle: bool, read_ahead: bool = False):
         self.files, self.vocab_size, self.cycle = files, vocab_size, cycle
         self.epoch, self.shard, self.pos = 0, 0, 0
         self._tokens: np.ndarray | None = None
         self._bos: np.ndarray | None = None
+        self.read_ahead = read_ahead  # the next shard read in the background (training; ShardReader)
+        self._reader: ShardReader | None = None
 
     def state(self) -> dict:
         return {"epoch": self.epoch, "shard": self.shard, "pos": self.pos}
@@ -715,8 +746,24 @@ class TokenStream:
     @property
     def tokens(self) -> np.ndarray:
         if self._tokens is None:
-            self._tokens = load_shard(self.files[self.shard], self.vocab_size)
+            if self._reader is not None and self._reader.index == self.shard:
+                self._tokens, self._bos = self._reader.get()
+            else:
+                self._tokens = load_shard(self.files[self.shard], self.vocab_size)
+            self._read_next_shard_ahead()
         return self._tokens
+
+    def _read_next_shard_ahead(self) -> None:
+        self.close()
+        following = self.shard + 1 if self.shard + 1 < len(self.files) else (0 if self.cycle else None)
+        if self.read_ahead and following is not None and following != self.shard:
+            self._reader = ShardReader(following, self.files[following], self.vocab_size)
+
+    def close(self) -> None:
+        """Waits for a shard being read ahead and drops it (it may not be the one needed next)."""
+        if self._reader is not None:
+            self._reader.thread.join()
+            self._reader = None
 
     def _next_shard(self) -> None:
         self.shard, self.pos = self.shard + 1, 0
@@ -729,7 +776,7 @@ class TokenStream:
 
     def _next_bos(self, start: int) -> int:
         if self._bos is None:
-            self._bos = np.flatnonzero(np.asarray(self.tokens) == EOT_TOKEN)
+            self._bos = document_starts(self.tokens)
         i = np.searchsorted(self._bos, start)
         return int(self._bos[i]) if i < len(self._bos) else len(self.tokens)
 
@@ -3117,7 +3164,7 @@ def set_up(args: Hyperparameters, rt: Runtime, log: RunLog, batches: BatchSchedu
     model = build_model(args, rt)
     compiled = torch.compile(model, dynamic=False) if rt.compile == "model" else model
     opt = build_optimizers(model, args, rt.rank, rt.world_size, compiled=rt.compile == "model")
-    stream = TokenStream(train_files, args.vocab_size, cycle=args.train_cycle)
+    stream = TokenStream(train_files, args.vocab_size, cycle=args.train_cycle, read_ahead=True)
     loader = DistributedTokenLoader(stream, args.seq_len, rt.rank, rt.world_size, args.bos_align, args.doc_len_cap,
                                     rt.device)
     return Trainer(args, rt, log, run_id, batches, model, compiled, opt, stream, loader, StepTensors(args, rt.device),
@@ -3172,10 +3219,13 @@ def run_training(args: Hyperparameters, rt: Runtime, log: RunLog, batches: Batch
                  checkpoint: Path | None) -> int:
     """Set-up, the untimed warm-up, then the timed loop; returns the process exit status."""
     t = set_up(args, rt, log, batches, run_id)
-    if checkpoint is not None:  # before the warm-up's compiles
-        check_same_tensors(checkpoint, training_state(t.model, t.opt, t.stream, 0), args, rt)
-    warm_up(t)
-    return train_loop(t, resume(t, checkpoint), checkpoint)
+    try:
+        if checkpoint is not None:  # before the warm-up's compiles
+            check_same_tensors(checkpoint, training_state(t.model, t.opt, t.stream, 0), args, rt)
+        warm_up(t)
+        return train_loop(t, resume(t, checkpoint), checkpoint)
+    finally:
+        t.stream.close()  # no shard reader outlives the run
 
 
 def due(step: int, every: int) -> bool:

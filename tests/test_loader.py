@@ -1,4 +1,6 @@
 """Data section of train_gpt.py: shard validation, the token stream and the per-rank batch split."""
+import threading
+
 import numpy as np
 import pytest
 import torch
@@ -150,6 +152,44 @@ def test_stream_state_round_trip_resumes_at_the_same_tokens(tmp_path):
     restored.load_state(state)
     for e in expected:
         np.testing.assert_array_equal(np.array(restored.take(200)), e)
+
+
+@pytest.mark.parametrize("bos_align", [False, True])
+def test_the_next_shard_is_read_and_checked_in_the_background(tmp_path, monkeypatch, bos_align):
+    """The training stream reads shard i + 1 (the vocabulary check, the document starts) in another thread
+    while shard i is used, and hands out exactly the tokens of a stream that reads each shard when it gets
+    there, across shard switches and a new epoch."""
+    files = [write_shard(tmp_path / f"s{i}.bin", doc_tokens(1500, seed=i)) for i in range(3)]
+    readers = []
+    load_shard = T.load_shard
+    monkeypatch.setattr(T, "load_shard", lambda path, vocab: readers.append(
+        (path.name, threading.current_thread() is threading.main_thread())) or load_shard(path, vocab))
+    plain = T.TokenStream(files, VOCAB, cycle=True)
+    expected = [np.array(plain.take(256, bos_align)) for _ in range(20)]
+    readers.clear()
+    ahead = T.TokenStream(files, VOCAB, cycle=True, read_ahead=True)
+    try:
+        got = [np.array(ahead.take(256, bos_align)) for _ in range(20)]
+    finally:
+        ahead.close()
+    for e, g in zip(expected, got):
+        np.testing.assert_array_equal(g, e)
+    assert ahead.epoch >= 1 and readers[0] == ("s0.bin", True)  # the first shard: read where it is needed
+    assert readers[1:4] == [("s1.bin", False), ("s2.bin", False), ("s0.bin", False)]  # then always ahead
+
+
+def test_a_bad_shard_read_ahead_is_refused_when_the_stream_reaches_it(tmp_path):
+    bad = np.arange(1000)
+    bad[500] = VOCAB  # one id outside the vocabulary
+    files = [write_shard(tmp_path / "a.bin", np.arange(1000)), write_shard(tmp_path / "b.bin", bad)]
+    stream = T.TokenStream(files, VOCAB, cycle=False, read_ahead=True)
+    try:
+        for _ in range(3):
+            stream.take(256)  # the whole first shard, while b.bin is read (and refused) in the background
+        with pytest.raises(T.UsageError, match=f"b.bin holds token id {VOCAB} >= vocab size {VOCAB}"):
+            stream.take(256)
+    finally:
+        stream.close()
 
 
 def test_validation_split_over_ranks_covers_the_budget_once(tmp_path):
