@@ -18,28 +18,43 @@ def fake_bin(tmp_path, gpus, with_torchrun):
         launcher = bin_dir / "torchrun"
         launcher.write_text("#!/bin/sh\necho LAUNCH torchrun \"$@\"\n")
         launcher.chmod(0o755)
-    python = bin_dir / "python-fake"
-    python.write_text("#!/bin/sh\necho LAUNCH python \"$@\"\n")
+    python = bin_dir / "python-fake"  # `-c` (run.sh's torch probe): CUDA usable unless FAKE_NO_CUDA is set
+    python.write_text("#!/bin/sh\nif [ \"$1\" = -c ]; then echo 'torch 2.13.0+cpu, CUDA None'; "
+                      "[ -z \"$FAKE_NO_CUDA\" ]; exit; fi\necho LAUNCH python \"$@\"\n")
     python.chmod(0o755)
     return bin_dir
 
 
-def run_sh(tmp_path, gpus, with_torchrun=True):
+def run_sh(tmp_path, gpus, with_torchrun=True, args=("--seed=3",), env=None, status=0):
     bin_dir = fake_bin(tmp_path, gpus, with_torchrun)
-    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "PYTHON": str(bin_dir / "python-fake")}
-    result = subprocess.run(["bash", str(REPO / "run.sh"), "--seed=3"], capture_output=True, text=True, env=env,
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "PYTHON": str(bin_dir / "python-fake"), **(env or {})}
+    result = subprocess.run(["bash", str(REPO / "run.sh"), *args], capture_output=True, text=True, env=env,
                             timeout=30)
-    assert result.returncode == 0, result.stderr
-    return [line for line in result.stdout.splitlines() if line.startswith("LAUNCH")][0]
+    assert result.returncode == status, result.stderr
+    return ([line for line in result.stdout.splitlines() if line.startswith("LAUNCH")] or [result.stderr])[0]
 
 
-def test_run_sh_uses_every_gpu_through_torchrun(tmp_path):
-    assert run_sh(tmp_path, 4) == "LAUNCH torchrun --standalone --nproc_per_node=4 train_gpt.py --seed=3"
+def test_run_sh_uses_every_gpu_through_torchrun_with_the_speedrun_preset(tmp_path):
+    assert run_sh(tmp_path, 4) == \
+        "LAUNCH torchrun --standalone --nproc_per_node=4 train_gpt.py --preset=speedrun --seed=3"
+
+
+def test_run_sh_keeps_the_users_preset(tmp_path):
+    assert run_sh(tmp_path, 2, args=("--preset=cpu", "--seed=3")) == \
+        "LAUNCH torchrun --standalone --nproc_per_node=2 train_gpt.py --preset=cpu --seed=3"
+
+
+def test_run_sh_refuses_gpus_that_torch_cannot_use_in_one_line(tmp_path):
+    """A CPU-only or too-new wheel on a GPU node: one line naming the build, never cpu training on 8 ranks."""
+    message = run_sh(tmp_path, 8, env={"FAKE_NO_CUDA": "1"}, status=2)
+    assert message.strip().splitlines() == [message.strip()]
+    assert "nvidia-smi lists 8 GPU(s) but this Python's torch cannot use them (torch 2.13.0+cpu, CUDA None)" in message
 
 
 def test_run_sh_falls_back_to_torch_distributed_run(tmp_path):
     launch = run_sh(tmp_path, 2, with_torchrun=False)
-    assert launch == "LAUNCH python -m torch.distributed.run --standalone --nproc_per_node=2 train_gpt.py --seed=3"
+    assert launch == ("LAUNCH python -m torch.distributed.run --standalone --nproc_per_node=2 train_gpt.py "
+                      "--preset=speedrun --seed=3")
 
 
 def test_run_sh_runs_the_cpu_preset_without_a_gpu(tmp_path):
