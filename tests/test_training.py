@@ -6,6 +6,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 import torch
@@ -226,16 +227,22 @@ def test_two_nodes_of_one_process_equal_one_node_of_two(tmp_path, tiny):
     assert two_nodes == train_losses((tmp_path / "one" / "one.txt").read_text()) and len(two_nodes) == 4
 
 
-def test_a_rendezvous_that_cannot_form_ends_in_one_line_naming_the_endpoint():
-    endpoint = f"127.0.0.1:{free_port()}"
+@pytest.mark.parametrize("host, conf", [("127.0.0.1", ""), ("127.0.0.2", ",is_host=false")],
+                         ids=["the other node never starts", "the endpoint is unreachable"])
+def test_a_rendezvous_that_cannot_form_ends_in_one_line_naming_the_endpoint(host, conf):
+    """Unreachable: this node only connects (is_host=false) to a loopback address where nothing listens; plain
+    torchrun retried for ~2 minutes whatever join_timeout said, printing dozens of C++ backtrace lines."""
+    endpoint = f"{host}:{free_port()}"
+    started = time.monotonic()
     done = subprocess.run([sys.executable, str(REPO / "tools" / "launch.py"), "--nnodes=2", "--nproc_per_node=1",
                            "--rdzv_backend=c10d", f"--rdzv_endpoint={endpoint}", "--rdzv_id=alone",
-                           "--rdzv_conf=join_timeout=3", str(REPO / "train_gpt.py")],
+                           f"--rdzv_conf=join_timeout=3{conf}", str(REPO / "train_gpt.py")],
                           cwd=REPO, env=ONE_THREAD, capture_output=True, text=True, timeout=120)
     lines = done.stderr.strip().splitlines()
     assert done.returncode == T.EXIT_PEER_LOST and len(lines) == 1, done.stderr[-3000:]
     assert lines[0].startswith(f"error: the rendezvous at {endpoint} (c10d, id alone) did not form within "
                                "join_timeout=3s")
+    assert time.monotonic() - started < 40  # join_timeout bounds it (was 68-128 s when unreachable)
 
 
 def test_the_launcher_ends_with_the_failed_workers_exit_status(tmp_path):
