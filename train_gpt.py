@@ -231,8 +231,11 @@ RECIPES: dict[str, dict[str, dict]] = {
         # 16K-token sequences, so that each stage is whole sequences on 8 GPUs (1, 2, 3 micro-steps);
         # documents cut at 2048 tokens as the record's max_seq_len (2025-09-03_FA3).
         # 2026-05-20_BigramsSignTrick: 15 x 50304 bigram rows of 192 dims (a quarter of the stream).
+        # 2025-11-29_BatchSizeSchedule's lrs are set for its first batch and scaled up by (batch / 131072) ** 0.6:
+        # Muon 0.023 -> 0.0444 at the final batch, ours' base; its cooldown floor is 0.1 of the first stage's lr.
         "speedrun": {**V2_COMMON, "bos_align": True, "doc_len_cap": 2048, "seq_len": 16 * 1024,
-                     "bigram_vocab_size": 15 * 50304, "bigram_dim": 192},
+                     "bigram_vocab_size": 15 * 50304, "bigram_dim": 192,
+                     "muon_lr": 0.0444, "lr_final_frac": 0.0518},
         # 4 sequences of 1024 at the end, so the ramp is 2 -> 3 -> 4 (thirds of 4 are not whole sequences).
         # No document alignment: the bundled sample's documents are ~7.8K tokens long (median), so aligned
         # 1024-token sequences would drop ~90% of its text and repeat the rest within a benchmark run.
@@ -867,14 +870,13 @@ class LayerRoles:
     long_window: tuple[bool, ...]
     n_encoder: int
     n_value_embeds: int
-    paired_heads: tuple[bool, ...]  # attention layers whose head pairs attend as one (PAIRED_LAYERS)
+    paired_heads: tuple[bool, ...]  # attention layers whose head pairs attend as one
     key_offset: tuple[bool, ...]  # attention layers whose keys take the previous token's stationary dims
     backout_layer: int | None  # the stream entering this layer is backed out before the head
 
     VALUE_EMBED_TABLES = 3  # R: three value-embedding tables, read by the first three and the last three layers
     LONG_WINDOW_EVERY = 4  # R: encoder layers 0, 4, ... have the long window; the decoder mirrors the encoder
     NO_ATTENTION_OFFSET = 1  # R: the layer just after the middle (7 of 12) has no attention, only its MLP
-    PAIRED_LAYERS = 4  # 2026-01-07_PairedHeadAttention: four short-window layers (0, 2, 5, 9 of its 11); the earliest here
     BACKOUT_FRACTION = Fraction(3, 4)  # 2025-10-04_Backout: the stream after block 8 of 12 (0-based), entering 9
 
     @staticmethod
@@ -888,10 +890,13 @@ class LayerRoles:
         encoder_long = [i % LayerRoles.LONG_WINDOW_EVERY == 0 for i in range(n_enc)]
         attention = [i != n_enc + LayerRoles.NO_ATTENTION_OFFSET for i in range(n_layer)]
         long_window = encoder_long + encoder_long[::-1]
-        short = [i for i in range(n_layer) if attention[i] and not long_window[i]][:LayerRoles.PAIRED_LAYERS]
+        # 2026-01-07_PairedHeadAttention pairs layers 0, 2, 5, 9 of its 11: the first short-window layer and each
+        # short-window layer just before a long-window or attention-free one (1, 3, 6, 10 of our 12)
+        short = [i for i in range(n_layer) if attention[i] and not long_window[i]]
+        paired = {i for i in short if i == short[0] or i + 1 < n_layer and (long_window[i + 1] or not attention[i + 1])}
         return LayerRoles(value_embed=tuple(ve), attention=tuple(attention), long_window=tuple(long_window),
                           n_encoder=n_enc, n_value_embeds=n_ve,
-                          paired_heads=tuple(paired_heads and i in short for i in range(n_layer)),
+                          paired_heads=tuple(paired_heads and i in paired for i in range(n_layer)),
                           key_offset=tuple(key_offset and attention[i] and long_window[i] for i in range(n_layer)),
                           backout_layer=int(n_layer * LayerRoles.BACKOUT_FRACTION) if backout else None)
 
@@ -1260,7 +1265,8 @@ class CausalSelfAttention(nn.Module):
         self.backend = backend  # bound here; GPT.decode swaps in its KV cache for the duration of a call
         bound = math.sqrt(3) * 0.5 / math.sqrt(dim)
         self.qkv_w = nn.Parameter(torch.empty(3, hdim, dim).uniform_(-bound, bound))  # Q, K, V kept apart for Muon
-        self.lambdas = nn.Parameter(torch.tensor([0.5, 0.5] if uses_value_embed else [0.5]))
+        # 2025-12-29_VeSkipGates: with the gate, the value embedding enters at the gate's weight alone (lambda 1)
+        self.lambdas = nn.Parameter(torch.tensor([0.5, 1.0 if cfg.ve_gates else 0.5] if uses_value_embed else [0.5]))
         # paired heads rotate at their interleaved positions, so a pair's two heads sit half a token apart
         self.rotary = Rotary(cfg.head_dim, cfg.max_seq_len * (2 if paired else 1))
         self.c_proj = CastedLinear(hdim, dim, zero_init=cfg.zero_init)

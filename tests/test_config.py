@@ -1,6 +1,7 @@
 """The speedrun preset is the 2025-01-26 record: every value the record sets, pinned to the record's value
 (records/012625_BatchSize of modded-nanogpt and its train_gpt.py; ../shared/SPEEDRUN_RECIPE.md)."""
 import dataclasses
+import re
 import sys
 from pathlib import Path
 
@@ -8,6 +9,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import train_gpt as T  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
 
 RECORD_2025_01_26 = dict(
     val_tokens=10485760, batch_tokens=8 * 48 * 1024, seq_len=48 * 1024, val_seq_len=4 * 64 * 1024,
@@ -75,3 +78,23 @@ def test_help_lists_every_flag_in_its_group_with_its_default_and_exits_0(tmp_pat
     headers = [line for line in text.splitlines() if line.endswith(":") and not line.startswith(" ")]
     assert headers[:3] == ["general:", "data:", "batch: one flat sequence of seq_len tokens per rank per micro-step:"]
     assert "checkpoints:" in headers and "optimizers:" in headers
+
+
+def test_the_v2_fidelity_table_states_the_recipes_values():
+    """bench/v2_fidelity.md compares each v2 constant with its record's code; its `flag` column must be what
+    --recipe=v2 --preset=speedrun resolves to, and every row names a record and says same / differs."""
+    table = [line.split("|")[1:-1] for line in (REPO / "bench" / "v2_fidelity.md").read_text().splitlines()
+             if line.startswith("| ") and line.count("|") == 8]
+    header, rows = [c.strip() for c in table[0]], table[1:]
+    assert header == ["technique", "constant", "record", "record's code", "ours", "flag", "note"]
+    args = T.parse_args(["--preset=speedrun", "--recipe=v2"], cuda_available=True)
+    types = T.field_types()
+    checked = 0
+    for cells in rows:
+        technique, record, flag, note = (cells[i].strip() for i in (0, 2, 5, 6))
+        assert re.match(r"(\d{4}-\d\d-\d\d_\w+|R\b|—)", record) and re.search(r"same|differ", note, re.I), cells
+        for text in re.findall(r"`--(\w+)=([^`]*)`", flag):
+            name, value = text
+            assert getattr(args, name) == T.parse_value(types[name], value), (technique, name, value)
+            checked += 1
+    assert checked >= 40

@@ -75,6 +75,8 @@ def test_initialisation_follows_recipe():
     assert w.std().item() == pytest.approx(0.5 / math.sqrt(64), rel=0.02)
     assert w.abs().max().item() <= math.sqrt(3) * 0.5 / math.sqrt(64) + 1e-7
     assert model.blocks[0].lambdas.tolist() == [1.0, 0.0] and model.blocks[0].attn.lambdas.tolist() == [0.5, 0.5]
+    # 2025-12-29_VeSkipGates: a gated value embedding enters at the gate's weight alone (lambda 1), v at 0.5
+    assert T.GPT(small_args("--ve_gates=true")).blocks[0].attn.lambdas.tolist() == [0.5, 1.0]
 
 
 # ----------------------------------------------------------------------------- layer roles
@@ -566,7 +568,7 @@ def test_fp8_head_compiles_forward_and_backward():
 def test_small_model_learns_synthetic_documents():
     args = small_args("--seq_len=256", "--dtype=fp32", "--num_iterations=10")
     rt = T.Runtime(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"), dtype=torch.float32,
-                   attention="banded", fp8_head=False, compile=False)
+                   attention="banded", fp8_head=False, compile="off")
     torch.manual_seed(0)
     model = T.build_model(args, rt)
     opt = T.build_optimizers(model, args, rank=0, world_size=1)
@@ -628,11 +630,13 @@ def test_fp8_head_matches_bf16_on_cuda():
 
 
 @needs_cuda("a 48K-token speedrun-shape step compiled with FlexAttention")
-def test_speedrun_model_compiled_step_on_cuda():
+def test_speedrun_model_compiled_step_on_cuda(monkeypatch):
     args = T.parse_args(["--preset=speedrun"], cuda_available=True)
     device = torch.device("cuda")
+    for kernel in ("forward", "backward"):  # compile="model" compiles the FP8 kernels as the trainer does; undone after
+        monkeypatch.setitem(T.FP8_KERNELS, kernel, T.FP8_KERNELS[kernel])
     rt = T.Runtime(rank=0, local_rank=0, world_size=1, device=device, dtype=torch.bfloat16, attention="flex",
-                   fp8_head=T.fp8_supported(device), compile=True)
+                   fp8_head=T.fp8_supported(device), compile="model")
     torch.manual_seed(0)
     model = T.build_model(args, rt)
     compiled = torch.compile(model, dynamic=False)
@@ -677,9 +681,12 @@ def test_speedrun_v2_parameter_count():
     assert expected == 275_598_383 + 15 * 50304 * 192 + 12 + 11 * 72 + 6 * 72 + 72 + 14
     assert sum(p.numel() for p in model.parameters()) == expected
     roles = model.roles
-    assert roles.paired_heads == tuple(i in (1, 2, 3, 5) for i in range(12))  # the first four short-window layers
+    # the record's rule (0, 2, 5, 9 of S S S L S S - S S S L): the first short-window layer and each one just
+    # before a long-window or attention-free layer; on L S S S L S S - S S S L that is 1, 3, 6, 10
+    assert roles.paired_heads == tuple(i in (1, 3, 6, 10) for i in range(12))
     assert roles.key_offset == tuple(i in (0, 4, 11) for i in range(12)) and roles.long_window[7]  # 7: no attention
     assert roles.backout_layer == 9
+    assert [tuple(b.attn.lambdas.shape) for b in model.blocks if b.attn is not None][:4] == [(2,), (2,), (2,), (1,)]
 
 
 def test_v2_switches_are_each_off_in_the_reference():
