@@ -1,7 +1,9 @@
 """bench/: the ablation table's statistics on synthetic run summaries, the variants' overrides, and
-gpu_check.py's no-GPU path and parsers. No training runs here (the failing run exits at argument parsing)."""
+gpu_check.py's no-GPU path and parsers. No training runs here (the failing run exits at argument parsing);
+memory_estimate.py runs its small model on fake tensors."""
 import json
 import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -246,7 +248,8 @@ def test_gpu_check_reads_the_summary_of_a_real_run(tiny_run):
     assert summary["step_avg_ms"] == pytest.approx(summary["train_time_ms"] / 4)
     assert summary["peak_memory_mib"] > 0 and summary["recompiles_after_warmup"] == 0
     assert summary["runtime"] == {"attention": "banded", "fp8_head": False, "compile": "off", "dtype": "bfloat16",
-                                  "device": "cpu", "chunked_loss": True, "world_size": 1, "grad_accum_steps": 2,
+                                  "device": "cpu", "chunked_loss": True, "compile_attention": False, "world_size": 1,
+                                  "grad_accum_steps": 2,
                                   "batch_stages": [[0, 512, 2]]}  # one stage from step 0: 512 tokens, 2 micro-steps
 
 
@@ -292,21 +295,19 @@ def test_v2_suite_gives_every_variant_the_same_token_budget(tmp_path):
     assert v2.recipe == "v2" and T.batch_schedule(v2, 1).tokens_before(128) == 43 * 2048 + 43 * 3072 + 42 * 4096
 
 
-def test_v2_suite_variants_switch_off_exactly_their_techniques():
-    """Each v2_no_X resolves to v2's hyperparameters except the fields of technique X, which are the
-    reference's; the combined row differs in the logit rescale's and MTP's fields together (a misspelt or
-    no-op flag would leave a variant identical to v2)."""
-    def resolved(args):
-        return T.parse_args(["--preset=cpu", *args], False).__dict__
-    v2, reference = resolved(["--recipe=v2"]), resolved([])
-    fields = {name: {f.removeprefix("--").split("=")[0] for f in flags} for name, flags in A.V2_MODEL_TECHNIQUES.items()}
-    expected = {f"v2_no_{name}": names for name, names in fields.items()}
-    expected[A.V2_LONG_HORIZON_OFF] = fields["logit_rescale"] | fields["mtp"]
+def test_v2_suite_variants_put_back_exactly_their_techniques():
+    """v2 is the cpu recipe v2 at its own batch; each v2_with_X differs from it in technique X's fields alone,
+    at the records' (speedrun v2's) values (a misspelt or no-op flag would leave a variant identical to v2)."""
+    def resolved(args, preset="cpu"):
+        return T.parse_args([f"--preset={preset}", *args], False).__dict__
+    v2, records = resolved(A.V2_VARIANTS[A.V2]), resolved(["--recipe=v2"], "speedrun")
+    assert v2 == resolved(["--recipe=v2"])  # the suite's v2 row is the default cpu v2
+    expected = {"v2_with_logit_rescale": {"logit_softcap", "logit_offset"}, "v2_with_mtp": {"mtp_tokens"}}
     assert set(A.V2_VARIANTS) == {"reference", A.V2, *expected}
     for variant, names in expected.items():
         got = resolved(A.V2_VARIANTS[variant])
         assert {k for k in v2 if got[k] != v2[k]} == names, variant
-        assert all(got[k] == reference[k] for k in names), variant
+        assert all(got[k] == records[k] for k in names), variant
 
 
 def test_v2_table_targets_v2_and_compares_the_reference():
@@ -338,3 +339,39 @@ def test_step_cost_times_a_variant_as_the_trainer_builds_it(monkeypatch, capsys)
     step_cost.main(["--suite=tiny", "--steps=1"])
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ") and "variant" not in line]
     assert [row.split(" | ")[0] for row in rows] == ["| reference", "| v2"] and rows[0].endswith("| 1.00x |")
+
+
+# ---------------------------------------------------------------- memory_estimate.py
+
+def test_memory_tally_counts_each_storage_once_and_keeps_the_peak():
+    import memory_estimate as M
+    tally = M.Tally()
+    a = torch.empty(1024)  # 4 KiB
+    tally.add(a, "x", "a")
+    tally.add([a.view(32, 32), a[:10]], "x", "views of a")  # the same storage: not counted again
+    assert tally.current() == 4096
+    b = torch.empty(2048, dtype=torch.float16)
+    tally.add(b, "y", "b")
+    del a
+    c = torch.empty(256)
+    tally.add(c, "x", "c")
+    assert tally.current() == 4096 + 1024 and tally.peak == 8192 and tally.peak_at == "b"
+    assert tally.peak_by_label == {"x": 4096, "y": 4096}
+
+
+def test_memory_estimate_runs_the_trainers_step_and_validation_on_fake_tensors(capsys):
+    """A small model through the script: a row per phase and world size, the predicted peak at most the
+    no-fusion bound; two ranks hold less optimizer state than one."""
+    import memory_estimate as M
+    small = ["--n_layer=4", "--model_dim=128", "--n_head=2", "--head_dim=64", "--seq_len=1024", "--val_seq_len=2048",
+             "--val_tokens=2048", "--batch_tokens=4096", "--batch_schedule=1/2,1", "--bigram_vocab_size=4096",
+             "--bigram_dim=64"]
+    assert M.main(["--recipes=v2", "--gpus=1,2", "--breakdown", "--", *small]) == 0
+    out = capsys.readouterr().out
+    rows = [line.split(" | ") for line in out.splitlines() if line.startswith("| v2 |")]
+    assert [(r[1], r[2], r[3]) for r in rows] == [
+        ("train step", "1", "2/4"), ("warm-up", "1", "2"), ("validation", "1", "-"),
+        ("train step", "2", "1/2"), ("warm-up", "2", "1"), ("validation", "2", "-")]
+    assert all(0 < float(r[4]) <= float(r[5]) for r in rows)
+    state = {int(w): float(gib) for w, gib in re.findall(r"v2 train step (\d) GPU.*optimizer state ([\d.]+)", out)}
+    assert state[2] < state[1], out

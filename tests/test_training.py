@@ -120,38 +120,64 @@ def test_one_and_two_ranks_give_the_same_losses_and_faults_are_caught(tmp_path, 
     assert worst_state_error(optimizer_state(tmp_path, "missing_average", 6), state_one) > 0.5
 
 
-# Every recipe-v2 switch at once on a tiny shape: a 2-stage batch ramp (2 then 4 sequences of 256), capped
-# documents packed from their starts, Polar Express, NorMuon, cautious decay, the scalars' own betas.
-# every v2 switch; 4 layers, so that there are short-window layers to pair, and a small bigram table
-V2_TINY = ["--recipe=v2", "--batch_tokens=1024", "--batch_schedule=1/2,1", "--bos_align=true", "--doc_len_cap=64",
-           "--n_layer=4", "--bigram_vocab_size=4096", "--bigram_dim=32"]
+# Every recipe-v2 switch at once on TINY's shape: a 2-stage batch ramp (2 then 4 sequences of 256), capped
+# documents packed from their starts, the logit rescale and multi-token loss the cpu v2 leaves out; 4 layers,
+# so that there are short-window layers to pair, and a small bigram table
+V2_TINY = ["--recipe=v2", "--batch_tokens=1024", "--seq_len=256", "--window_final_tokens=1024", "--batch_schedule=1/2,1",
+           "--bos_align=true", "--doc_len_cap=64", "--n_layer=4", "--bigram_vocab_size=4096", "--bigram_dim=32",
+           "--logit_softcap=23", "--logit_offset=5", "--mtp_tokens=3"]
 
 
-def test_recipe_v2_gives_the_same_losses_and_state_on_one_and_two_ranks(tmp_path, tiny):
+# The cpu preset's recipe v2 as `--recipe=v2` gives it (its batch ramp of 4 -> 8 -> 12 sequences of 512, Polar
+# Express, NorMuon, cautious decay, the scalars' own betas, every model switch it keeps), on a narrow model with a
+# small bigram table: one step per batch stage.
+V2_CPU = ["--preset=cpu", "--recipe=v2", "--model_dim=64", "--n_head=2", "--head_dim=32", "--bigram_vocab_size=4096",
+          "--bigram_dim=32", "--num_iterations=3", "--val_seq_len=512", "--val_tokens=1024", "--val_every=0",
+          "--warmup_steps=0", "--log_train_loss=true", "--compile=off"]
+
+
+def test_recipe_v2_gives_the_same_losses_and_state_on_one_and_two_ranks(tmp_path):
     sys.path.insert(0, str(REPO / "bench"))
     import ablation
     runs = {}
     for nproc in (1, 2):
         # fp32 activations: v2's many bf16 stream ops, summed in another order per world size, would drift the
-        # optimizer state past STATE_TOLERANCE (0.0275 at worst here); Muon's iterations stay bf16
-        result = run_trainer(tiny + V2_TINY + [f"--run_id=v2ws{nproc}", "--val_every=0", "--checkpoint_final=true",
-                                               "--dtype=fp32"], tmp_path, nproc=nproc)
+        # optimizer state past STATE_TOLERANCE; Muon's iterations stay bf16
+        result = run_trainer(V2_CPU + [f"--run_id=v2ws{nproc}", "--checkpoint_final=true", "--dtype=fp32"], tmp_path,
+                             nproc=nproc)
         assert result.returncode == 0, result.stderr[-2000:]
         runs[nproc] = train_losses((tmp_path / f"v2ws{nproc}.txt").read_text())
         summary = json.loads((tmp_path / f"v2ws{nproc}.json").read_text())
-        assert summary["tokens"] == 2 * 512 + 2 * 1024  # stage 0 for steps 0-1, stage 1 for steps 2-3
-        assert summary["runtime"]["batch_stages"] == [[0, 512, 2 // nproc], [2, 1024, 4 // nproc]]
+        assert summary["tokens"] == 2048 + 4096 + 6144 and math.isfinite(summary["final_val_loss"])
+        assert summary["runtime"]["batch_stages"] == [[0, 2048, 4 // nproc], [1, 4096, 8 // nproc],
+                                                      [2, 6144, 12 // nproc]]
         # the ablation reads the stages back to put validation points on a token axis
-        assert [ablation.tokens_before(summary, s) for s in range(5)] == [0, 512, 1024, 2048, 3072]
-    assert sorted(runs[1]) == sorted(runs[2]) == [1, 2, 3, 4]
+        assert [ablation.tokens_before(summary, s) for s in range(4)] == [0, 2048, 6144, 12288]
+    assert sorted(runs[1]) == sorted(runs[2]) == [1, 2, 3]
     assert all(abs(runs[1][s] - runs[2][s]) < WORLD_SIZE_TOLERANCE for s in runs[1]), runs
-    one, two = optimizer_state(tmp_path, "v2ws1"), optimizer_state(tmp_path, "v2ws2")
+    one, two = optimizer_state(tmp_path, "v2ws1", 3), optimizer_state(tmp_path, "v2ws2", 3)
     assert any(k.startswith("normuon/") for k in one)
     squares = lambda state, keep: {k: v for k, v in state.items()  # noqa: E731
                                    if (k.startswith("normuon/") or k.endswith("exp_avg_sq")) == keep}
-    assert worst_state_error(squares(two, False), squares(one, False)) < STATE_TOLERANCE
-    # mean squares of bf16-noisy updates: a relative error of e in the update is 2e in its square
-    assert worst_state_error(squares(two, True), squares(one, True)) < 2 * STATE_TOLERANCE
+    # The skip gates start at zero and barely move in 3 steps (|w| <= 3e-4): cautious decay's sign test flips on
+    # such weights with the summation order, so their masters are held to 1e-4 absolute (a tenth of one Adam step)
+    zero_init = {k for k in one if k.startswith("adam skip_gate/master")}
+    assert max((two[k] - one[k]).abs().max().item() for k in zero_init) < 1e-4
+    assert worst_state_error(squares({k: v for k, v in two.items() if k not in zero_init}, False),
+                             squares({k: v for k, v in one.items() if k not in zero_init}, False)) < STATE_TOLERANCE
+    # mean squares of bf16-noisy updates: a relative error of e in the update is 2e in its square (measured 0.043,
+    # NorMuon's moments of 64-wide projections; a rank missing half its gradient is off by more than 0.5)
+    assert worst_state_error(squares(two, True), squares(one, True)) < 3 * STATE_TOLERANCE
+
+
+def test_the_cpu_v2_splits_over_one_two_and_four_ranks():
+    """Its ramp must run as `torchrun --nproc_per_node=N train_gpt.py --recipe=v2` for N = 1, 2, 4 (the earlier
+    2048 -> 3072 -> 4096 ramp of 1024-token sequences was refused on 2 ranks); 3 ranks are refused by name."""
+    args = T.parse_args(["--preset=cpu", "--recipe=v2"], False)
+    for ranks in (1, 2, 4):
+        assert T.batch_schedule(args, ranks).stage_accum == tuple(n // ranks for n in (4, 8, 12))
+    with pytest.raises(T.UsageError, match=r"world size 3 cannot split .* world sizes that work: \[1, 2, 4\]"):
+        T.batch_schedule(args, 3)
 
 
 @pytest.mark.parametrize("flag, message", [
