@@ -11,7 +11,7 @@ import torch
 import train_gpt as T
 from conftest import parse_progress_line, REPO, TINY, run_trainer
 
-CPU_RANK0 = T.Runtime(0, 0, 1, torch.device("cpu"), torch.float32, "banded", False, False)
+CPU_RANK0 = T.Runtime(0, 0, 1, torch.device("cpu"), torch.float32, "banded", False, "off")
 
 
 class FakeNvml:
@@ -51,7 +51,7 @@ def set_energy(root, i, value):
 
 
 def test_nvml_meter_sums_only_the_intervals_it_runs_for():
-    rt = T.Runtime(0, 3, 1, torch.device("cpu"), torch.float32, "banded", False, False)
+    rt = T.Runtime(0, 3, 1, torch.device("cpu"), torch.float32, "banded", False, "off")
     nvml = FakeNvml([1_000_000, 1_500_000, 9_000_000, 9_250_000])  # start, stop, (validation), start, stop
     meter = T.EnergyMeter(T.NvmlCounter("00000000:3B:00.0", nvml))
     meter.start(); meter.stop(); meter.start(); meter.stop()
@@ -80,7 +80,7 @@ def test_rapl_sums_packages_skips_subdomains_and_survives_wraparound(tmp_path):
 
 def test_rapl_is_read_by_local_rank_zero_only(tmp_path):
     root = make_powercap(tmp_path / "powercap", [(0, 2**32)])
-    other = T.Runtime(1, 1, 2, torch.device("cpu"), torch.float32, "banded", False, False)
+    other = T.Runtime(1, 1, 2, torch.device("cpu"), torch.float32, "banded", False, "off")
     meter = T.EnergyMeter.open(other, powercap_root=root)
     assert meter.counters is None and "local rank 0" in meter.reason
 
@@ -103,7 +103,7 @@ SUM_DRIVER = textwrap.dedent('''
     import train_gpt as T
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    rt = T.Runtime(rank, rank, 2, torch.device("cpu"), torch.float32, "banded", False, False)
+    rt = T.Runtime(rank, rank, 2, torch.device("cpu"), torch.float32, "banded", False, "off")
     meter = T.EnergyMeter(object() if rank == 0 else None, "" if rank == 0 else "no counter")  # rank 1 measures nothing
     meter.joules = 123.5 if rank == 0 else 0.0
     with open(sys.argv[1] + f"/total{{rank}}.txt", "w") as out:  # one file per rank: stdout lines interleave

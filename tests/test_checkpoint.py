@@ -176,7 +176,7 @@ def test_missing_checkpoint_paths_are_clear_errors(tmp_path):
 
 def test_failed_write_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
     args = T.parse_args(["--preset=cpu", "--log_dir=" + str(tmp_path)], False)
-    rt = T.Runtime(0, 0, 1, torch.device("cpu"), torch.float32, "banded", False, False)
+    rt = T.Runtime(0, 0, 1, torch.device("cpu"), torch.float32, "banded", False, "off")
     log = T.RunLog(None)
     state = T.TrainingState(step=1, loader={"epoch": 0, "shard": 0, "pos": 0}, tensors={"model/w": torch.arange(1e3)})
     good = T.save_checkpoint(state, args, rt, "run", log)

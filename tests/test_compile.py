@@ -13,6 +13,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
 from torch._dynamo.backends.common import aot_autograd  # noqa: E402
+from torch._functorch.aot_autograd import make_boxed_func  # noqa: E402
 from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
 
 EOT = T.EOT_TOKEN
@@ -103,10 +104,12 @@ def as_fake(model: nn.Module, mode: FakeTensorMode) -> nn.Module:
 
 
 def graph_recorder(graphs: dict, kind: str):
-    """An AOTAutograd compiler that keeps the graph and runs it as is (here on fake tensors)."""
+    """An AOTAutograd compiler that keeps the graph and runs it as is (here on fake tensors). A host sync fails
+    here, by name: run on fake tensors it would fail anyway, with DataDependentOutputException."""
     def compile_graph(gm, example_inputs):
         graphs.setdefault(kind, []).append(gm)
-        return gm
+        assert not host_syncs(gm), f"the {kind} graph reads device values on the host: {host_syncs(gm)}"
+        return make_boxed_func(gm)
     return compile_graph
 
 
@@ -131,7 +134,8 @@ def test_speedrun_forward_backward_and_validation_graphs_have_no_host_sync(monke
     model = as_fake(T.build_model(args, rt), mode)
     assert args.n_layer == 12 and model.lm_head.fp8 and model.backend is T.FlexAttention
     graphs: dict[str, list] = {}
-    backend = aot_autograd(fw_compiler=graph_recorder(graphs, "forward"), bw_compiler=graph_recorder(graphs, "backward"),
+    backend = aot_autograd(fw_compiler=graph_recorder(graphs, "forward"),
+                           bw_compiler=graph_recorder(graphs, "backward"),
                            inference_compiler=graph_recorder(graphs, "validation"))
     compiled = torch.compile(model, fullgraph=True, backend=backend, dynamic=False)
     train_tokens = mode.from_tensor(documents(SEQ + 1, [0, 300, 301, 900]))

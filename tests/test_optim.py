@@ -109,7 +109,7 @@ def test_newton_schulz_batched_matches_separate_matrices():
 
 def runtime():
     return T.Runtime(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"), dtype=torch.bfloat16,
-                     attention="banded", fp8_head=False, compile=False)
+                     attention="banded", fp8_head=False, compile="off")
 
 
 def small_model(*extra, seed=0):
