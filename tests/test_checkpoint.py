@@ -122,7 +122,8 @@ def test_sigterm_on_one_rank_checkpoints_all_ranks_and_resume_continues(tmp_path
     stopped_at = int(ckpts[0].name.split("_")[1])
     meta = json.loads((ckpts[0] / "checkpoint.json").read_text())
     assert meta["runtime"] == {"attention": "banded", "fp8_head": False, "compile": "off", "dtype": "bfloat16",
-                               "device": "cpu", "chunked_loss": True, "world_size": 2}  # resolved, not "auto"/true
+                               "device": "cpu", "chunked_loss": True, "compile_attention": False,
+                               "world_size": 2}  # resolved, not "auto"/true
     assert meta["step"] == stopped_at and meta["format"] == T.CHECKPOINT_FORMAT
     assert sorted(meta["files"]) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
     resumed = run_trainer(TINY + [f"--num_iterations={stopped_at + 2}", "--val_every=0", "--run_id=after",
