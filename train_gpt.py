@@ -1078,9 +1078,8 @@ def fp8_backward_math(grad: Tensor, x_f8: Tensor, w_f8: Tensor, x_scale: float, 
     inv = lambda s: inverse_scale(s, grad.device)
     grad_x = torch._scaled_mm(grad_f8, w_f8.T.contiguous().T, out_dtype=torch.bfloat16, use_fast_accum=False,
                               scale_a=inv(grad_scale), scale_b=inv(w_scale))
-    # R: the record's orientation, (x^T grad)^T, "faster for (50304, 768)"; a transposed view, as the fake says
-    grad_w = torch._scaled_mm(x_f8.T.contiguous(), grad_f8.T.contiguous().T, out_dtype=torch.float32,
-                              use_fast_accum=False, scale_a=inv(x_scale), scale_b=inv(grad_scale)).T
+    grad_w = torch._scaled_mm(grad_f8.T.contiguous(), x_f8.T.contiguous().T, out_dtype=torch.float32,
+                              use_fast_accum=False, scale_a=inv(grad_scale), scale_b=inv(x_scale))
     return grad_x, grad_w
 
 
@@ -1116,7 +1115,7 @@ def fp8_matmul_backward(grad: Tensor, x_f8: Tensor, w_f8: Tensor, x_scale: float
 
 @fp8_matmul_backward.register_fake
 def _(grad: Tensor, x_f8: Tensor, w_f8: Tensor, x_scale: float, w_scale: float, grad_scale: float):
-    return (x_f8.new_empty(x_f8.shape, dtype=torch.bfloat16), w_f8.new_empty(w_f8.shape[::-1], dtype=torch.float32).T)
+    return (x_f8.new_empty(x_f8.shape, dtype=torch.bfloat16), w_f8.new_empty(w_f8.shape, dtype=torch.float32))
 
 
 FP8_SCALES = dict(x_scale=2.0, w_scale=2.0 ** 9, grad_scale=2.0 ** 19)  # R (w from 2**5, grad from 2**29)
