@@ -271,9 +271,9 @@ def test_a_batch_schedule_the_world_size_cannot_split_is_refused_with_the_sizes_
     message = str(e.value)
     assert f"world size {world_size} cannot split the --batch_schedule stages 131072/262144/393216 tokens" in message
     assert f"world sizes that work: {valid}" in message and "\n" not in message
-    cpu = T.parse_args(["--recipe=v2"], False)  # 2, 3, 4 sequences of 1024: only 1 rank divides all three
-    with pytest.raises(T.UsageError, match=r"world size 2 cannot split .* 2048/3072/4096 .* work: \[1\]"):
-        T.batch_schedule(cpu, 2)
+    cpu = T.parse_args(["--recipe=v2"], False)  # 4, 8, 12 sequences of 512: 1, 2 and 4 ranks divide all three
+    with pytest.raises(T.UsageError, match=r"world size 3 cannot split .* 2048/4096/6144 .* work: \[1, 2, 4\]"):
+        T.batch_schedule(cpu, 3)
 
 
 @pytest.mark.parametrize("flags, match", [
@@ -296,7 +296,7 @@ def test_recipe_v2_switches_every_technique_on_and_each_flag_switches_one_off():
     off = speedrun("--recipe=v2", "--normuon=false")
     assert not off.normuon and off.polar_express and off.cautious_wd  # one technique off, the rest stay
     cpu = T.parse_args(["--recipe=v2"], False)
-    assert (cpu.batch_tokens, cpu.batch_schedule, cpu.bos_align) == (4096, "1/2,3/4,1", False)
+    assert (cpu.batch_tokens, cpu.seq_len, cpu.batch_schedule, cpu.bos_align) == (6144, 512, "1/3,2/3,1", False)
     with pytest.raises(T.UsageError, match="unknown recipe 'v3'; valid recipes: reference, v2"):
         T.parse_args(["--recipe=v3"], False)
 
