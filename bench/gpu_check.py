@@ -1,30 +1,41 @@
 """One command to check train_gpt.py's GPU paths on a machine with NVIDIA GPUs (no network needed).
 
-    python bench/gpu_check.py            # all checks, about 10 minutes on one H200 (compiles dominate)
-    python bench/gpu_check.py --quick    # skip the timed speedrun-preset run
-    python bench/gpu_check.py --recipe=v2 --skip-tests   # (c) with recipe v2 (batch stages, model techniques)
+    python bench/gpu_check.py            # all checks, capped to fit 10 minutes on one H100/H200 (cold compiles)
+    python bench/gpu_check.py --quick    # skip (e), the timed speedrun-preset run
+    python bench/gpu_check.py --recipe=v2 --skip-tests   # (e) with recipe v2 (batch stages, model techniques)
+    python bench/gpu_check.py --resume-drill-on-cpu      # (d)'s command lines, run on CPU with gloo (no GPU)
 
-What it does, in order:
+What it does, in order, each part in its own process with its share of the time (BUDGET_S below) as timeout:
   (a) the GPU tests under tests/ (`pytest tests -m gpu`; pytest.ini registers the marker);
-  (b) the FP8 head against a reference: train_gpt.fp8_matmul vs a bf16 matmul, forward and both
-      gradients, as relative errors to an fp32 matmul (only with compute capability >= 8.9), and
-      compiled FlexAttention (the model's FlexAttention backend with sliding_window_block_mask)
-      against the SDPA dense-mask path at T=4096, forward and input gradients;
-  (c) the speedrun preset (full 393,216-token batch: 8 micro-steps on 1 GPU) for a few dozen steps under
-      torchrun on the visible GPUs, on synthetic FineWeb-format shards written to a temporary folder:
-      ms/step after warm-up, peak memory and recompilations after warm-up from its JSON summary; the top
-      15 CUDA kernels by time and communication vs compute time from a profiler trace of 3 steps.
-Then it prints one summary table (check | result | numbers), with every skip and its reason, and writes
-the table and every number as JSON (--out, default bench/results/gpu_check.json).
+  (b) the FP8 head (only with compute capability >= 8.9): train_gpt.fp8_matmul vs a bf16 matmul, forward
+      and both gradients, as relative errors to an fp32 matmul; then the same forward + backward under
+      torch.compile(fullgraph=True) with the FP8 kernels compiled as the trainer compiles them
+      (compile_fp8_kernels), as relative errors to the eager op;
+  (c) compiled FlexAttention (the model's FlexAttention backend with sliding_window_block_mask) against the
+      SDPA dense-mask path at T=4096, forward and input gradients;
+  (d) with >= 2 GPUs: a 2-rank, 2-layer run of train_gpt.py under torchrun (NCCL) on synthetic shards that
+      stops after step 2 with a checkpoint (--stop_after), then a second launch that resumes it
+      (--resume=latest), trains step 3 and ends with a final val loss: NCCL, DCP on a CUDA mesh and the
+      per-step stop-signal agreement; with one GPU the row says it was not checked;
+  (e) the speedrun preset (full 393,216-token batch: 8 micro-steps on 1 GPU) under torchrun on the visible
+      GPUs, on synthetic FineWeb-format shards written to a temporary folder: ms/step over the steps after
+      the profiled ones, peak memory and recompilations after warm-up from its JSON summary; the top 15
+      CUDA kernels by time and communication vs compute time from a profiler trace of 3 steps.
+Then it prints one summary table (check | result | time | numbers; time is the part's wall time and its
+timeout, shared by the rows of one part), with every skip and its reason, and writes the table and every
+number as JSON (--out, default bench/results/gpu_check.json).
 
 Without a CUDA GPU nothing GPU-specific can run: it says so, lists the skips and exits 0.
-Exit status: 0 when nothing failed, 1 when a check failed or errored (a pytest part that runs out of
-its time share is reported as "timeout", not as a failure).
+Exit status: 0 when nothing failed, 1 when a check failed or errored. A part that runs out of its time is
+reported as "timeout", not as a failure, except (d), which compiles nothing (a hang there is the finding),
+and (e) once its steps have started (a compile that outlasts the share is a timeout, a stalled run a FAIL).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import math
 import os
 import platform
 import re
@@ -40,15 +51,79 @@ GLOBAL_BATCH = 8 * 48 * 1024  # the speedrun preset's tokens per optimizer step
 SEQUENCES_PER_STEP = 8  # 48K-token sequences per step: the world size must divide it
 VAL_SEQ_LEN = 4 * 64 * 1024  # the speedrun preset's val_seq_len (the record's)
 PROFILED_STEPS = 3  # steps of the profiler trace the kernel table comes from
+# train_gpt.make_profiler's schedule skips one step and warms up on one before the PROFILED_STEPS it records,
+# and the trace is written inside the clock of the last of them; one step more, in case torch.profiler's
+# schedule ends a step later than that: ms/step is measured from this step's line on.
+STEPS_BEFORE_CLEAN = 1 + 1 + PROFILED_STEPS + 1
 FP8_SHAPE = (2048, 768, 8192)  # rows, model dim, vocabulary slice of the head check; rows >= ~1024 keep the
 # mean-loss gradient times the fixed 2**19 scale inside float8_e5m2's range (57344), as in training
 FLEX_SHAPE = (4096, 6, 128)  # tokens, heads, head dim of the attention check (the speedrun's heads)
+
+# Each part's share of the default --budget-s (570 s: a 10-minute slot on one GPU less 30 s for this script's
+# own start-up, the table and a killed part's 10-s grace), for a cold machine (no inductor or Triton cache).
+# Estimates, not yet timed on a GPU: torch + train_gpt import in ~5-10 s per process; the 12-layer model at
+# 48K tokens compiles in 2-4 min cold in the public record logs. A part's timeout runs to the end of its share
+# counted from the start, so time an earlier part leaves unspent goes to the next one; the last part to run
+# also gets the shares of the parts that do not run (with one GPU, (d)'s goes to (e)). Below --budget-s=570
+# every share shrinks in proportion; a part whose time falls under its MIN_S is "skipped: budget".
+BUDGET_S = {
+    "tests": 170,  # collection ~15 s; the FlexAttention test ~1 min; the 48K-token compiled step 1-2 min
+    "fp8": 45,  # two small graphs through inductor (the FP8 kernels, the head + loss) and a few matmuls
+    "flex": 45,  # one FlexAttention forward + backward compile at T=4096
+    "resume": 80,  # two torchrun launches of a 2-layer uncompiled model: NCCL start-up, 3 steps, a checkpoint
+    "speedrun": 230,  # the cold compile (train and validation graphs), 3 warm-up and 18 steps, trace export
+}
+# The least time in which a part can finish at all (a process starts in ~10 s; (e) compiles for 2 min or more).
+MIN_S = {"tests": 30, "fp8": 20, "flex": 20, "resume": 30, "speedrun": 120}
+KILL_GRACE_S = 10  # SIGTERM to the part's process group, then SIGKILL after this long
+
+TESTS_ROW = "pytest (GPU tests)"
+FP8_ROW = "fp8_matmul vs bf16"
+FP8_COMPILED_ROW = "fp8_matmul compiled vs eager"
+FLEX_ROW = "FlexAttention vs SDPA, T=4096"
+RESUME_ROW = "2 ranks: stop, checkpoint, resume"
+SPEEDRUN_ROW = "speedrun preset timing"
+PART_ROWS = {"tests": [TESTS_ROW], "fp8": [FP8_ROW, FP8_COMPILED_ROW], "flex": [FLEX_ROW],
+             "resume": [RESUME_ROW], "speedrun": [SPEEDRUN_ROW]}
+RESUME_NEEDS = "needs >= 2 GPUs (NCCL, DCP on a CUDA mesh, stop signal)"
+ROWS_PREFIX = "gpu_check rows: "  # how a part's process hands its rows back (one JSON line on stdout)
 
 Row = tuple[str, str, str]  # check, result, numbers
 
 
 def say(text: str) -> None:
     print(text, flush=True)
+
+
+def run_child(cmd: list[str], timeout: float, out_path: Path, env: dict | None = None) -> tuple[int | None, str]:
+    """Runs cmd in its own process group with stdout and stderr in out_path; past timeout the whole group
+    (torchrun's ranks, inductor's compile workers) gets SIGTERM, then SIGKILL. Returns (exit status or None
+    when it timed out, its output)."""
+    say("$ " + " ".join(cmd))
+    with open(out_path, "w") as out:
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                env=env)
+        try:
+            rc = proc.wait(timeout=max(timeout, 1))
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=KILL_GRACE_S)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+            rc = None
+    return rc, out_path.read_text(errors="replace")
+
+
+def tail(text: str, lines: int = 3, chars: int = 300) -> str:
+    return " | ".join(text.strip().splitlines()[-lines:])[:chars]
+
+
+def trainer_failure(text: str, lines: int = 3) -> str:
+    """train_gpt.py's own one-line 'error: ...' when it wrote one (torchrun's footer follows it), else the tail."""
+    errors = [line.strip() for line in text.splitlines() if re.match(r"(\[rank\d+\]:\s*)?error: ", line.strip())]
+    return errors[-1][:400] if errors else tail(text, lines, 400)
 
 
 # -----------------------------------------------------------------------------
@@ -60,70 +135,71 @@ def pytest_counts(output: str) -> str:
     return lines[-1] if lines else "no summary line"
 
 
-def run_pytest(selection: list[str], timeout: float) -> tuple[int | None, str]:
-    cmd = [sys.executable, "-m", "pytest", *selection, "-q", "-rA", "-p", "no:cacheprovider"]
-    say("$ " + " ".join(cmd))
-    try:
-        proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired as e:
-        out = (e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
-        return None, out
-    return proc.returncode, proc.stdout + proc.stderr
-
-
-def check_tests(timeout: float) -> list[Row]:
+def check_tests(timeout: float, tmp: Path) -> list[Row]:
     """The tests marked `gpu` (pytest.ini registers the marker); they skip themselves without CUDA."""
-    started = time.time()
-    rc, out = run_pytest(["tests", "-m", "gpu"], timeout)
+    cmd = [sys.executable, "-m", "pytest", "tests", "-m", "gpu", "-q", "-rA", "-p", "no:cacheprovider"]
+    rc, out = run_child(cmd, timeout, tmp / "pytest.txt")
     for line in out.splitlines():
         if line.startswith(("PASSED", "FAILED", "SKIPPED", "ERROR", "XFAIL", "XPASS")):
             say("  " + line)
     if rc == 5:
-        return [("pytest -m gpu", "skipped: no GPU tests found", "no test carries the gpu marker")]
+        return [(TESTS_ROW, "skipped: no GPU tests found", "no test carries the gpu marker")]
     if rc is None:
-        return [("pytest -m gpu", "timeout", f"stopped after {timeout:.0f}s (raise --tests-timeout-s); "
-                 f"so far: {pytest_counts(out)}")]
+        return [(TESTS_ROW, "timeout", f"stopped after {timeout:.0f}s, its share; so far: {pytest_counts(out)}")]
     if rc != 0:
-        tail = " | ".join(out.strip().splitlines()[-3:])
-        return [("pytest -m gpu", "FAIL", f"exit {rc}; {pytest_counts(out)}; {tail[:300]}")]
-    return [("pytest -m gpu", "ok", f"{pytest_counts(out)} in {time.time() - started:.0f}s")]
+        return [(TESTS_ROW, "FAIL", f"exit {rc}; {pytest_counts(out)}; {tail(out)}")]
+    return [(TESTS_ROW, "ok", pytest_counts(out))]
 
 
 # -----------------------------------------------------------------------------
-# (b) FP8 and FlexAttention against reference paths
+# (b) FP8 and (c) FlexAttention against reference paths, each run in a process of its own
+# (`gpu_check.py --part=fp8|flex`), so that its share is a timeout and the GPU is free afterwards
 
 def rel_err(a, b) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
 
 
-def check_fp8(T, torch) -> Row:
-    """fp8_matmul (forward, grad_x, grad_w) and a bf16 matmul, each against fp32, under a mean
-    cross-entropy loss, so the gradients have the magnitude the fixed FP8 scales were chosen for."""
-    import torch.nn.functional as F
-    device = torch.device("cuda")
-    if not T.fp8_supported(device):
-        cap = torch.cuda.get_device_capability(device)
-        return ("fp8_matmul vs bf16", "skipped: no FP8", f"compute capability {cap[0]}.{cap[1]} < 8.9")
+def fp8_case(torch, device, shape=FP8_SHAPE):
+    """The head's inputs: rms-normed rows, a weight at CastedLinear's init scale, random targets."""
     g = torch.Generator(device="cpu").manual_seed(0)
-    n, d, vocab = FP8_SHAPE
+    n, d, vocab = shape
     x0 = torch.randn(n, d, generator=g)
-    x0 = (x0 / x0.pow(2).mean(-1, keepdim=True).sqrt()).to(device)  # rms-normed, like the head's input
+    x0 = (x0 / x0.pow(2).mean(-1, keepdim=True).sqrt()).to(device)
     w0 = (torch.rand(vocab, d, generator=g) * 2 - 1).mul(3 ** 0.5 * 0.5 / d ** 0.5).to(device)
     targets = torch.randint(0, vocab, (n,), generator=g).to(device)
+    return x0, w0, targets
 
-    def run(kind: str):
-        x = x0.to(torch.float32 if kind == "fp32" else torch.bfloat16, copy=True).requires_grad_()
-        w = w0.clone().requires_grad_()
+
+def head_loss(T, kind: str):
+    """out and a mean cross-entropy of x @ w.T, as fp8_matmul, a bf16 or an fp32 matmul computes it, so
+    that the gradients have the magnitude the fixed FP8 scales were chosen for."""
+    import torch.nn.functional as F
+
+    def loss(x, w, targets):
         if kind == "fp8":
             out = T.fp8_matmul(x, w, T.FP8_SCALES["x_scale"], T.FP8_SCALES["w_scale"])[0]
-        elif kind == "bf16":
-            out = F.linear(x, w.type_as(x))
         else:
-            out = F.linear(x, w)
-        F.cross_entropy(out.float() * 8, targets).backward()  # * 8: logits of a trained head's size
-        return out.detach(), x.grad, w.grad
+            out = F.linear(x, w.type_as(x))
+        return out, F.cross_entropy(out.float() * 8, targets)  # * 8: logits of a trained head's size
+    return loss
 
-    ref, fp8, bf16 = run("fp32"), run("fp8"), run("bf16")
+
+def head_run(torch, case, fn, x_dtype):
+    """(out, grad_x, grad_w) of fn on fresh leaves of the case's inputs."""
+    x0, w0, targets = case
+    x = x0.to(x_dtype, copy=True).requires_grad_()
+    w = w0.clone().requires_grad_()
+    out, loss = fn(x, w, targets)
+    loss.backward()
+    return out.detach(), x.grad, w.grad
+
+
+def check_fp8(T, torch, device, shape=FP8_SHAPE) -> Row:
+    """fp8_matmul (forward, grad_x, grad_w) and a bf16 matmul, each against fp32."""
+    case = fp8_case(torch, device, shape)
+    ref = head_run(torch, case, head_loss(T, "fp32"), torch.float32)
+    fp8 = head_run(torch, case, head_loss(T, "fp8"), torch.bfloat16)
+    bf16 = head_run(torch, case, head_loss(T, "bf16"), torch.bfloat16)
     names = ("out", "grad_x", "grad_w")
     e8 = [rel_err(a, r) for a, r in zip(fp8, ref)]
     e16 = [rel_err(a, r) for a, r in zip(bf16, ref)]
@@ -131,7 +207,39 @@ def check_fp8(T, torch) -> Row:
     finite = all(bool(torch.isfinite(t).all()) for t in fp8)
     ok = finite and all(e <= lim for e, lim in zip(e8, limits))
     numbers = "rel err vs fp32, fp8/bf16: " + ", ".join(f"{k} {a:.3g}/{b:.3g}" for k, a, b in zip(names, e8, e16))
-    return ("fp8_matmul vs bf16", "ok" if ok else "FAIL", numbers + ("" if finite else " (non-finite values)"))
+    return (FP8_ROW, "ok" if ok else "FAIL", numbers + ("" if finite else " (non-finite values)"))
+
+
+# Compiled vs eager FP8: both quantize the same values with power-of-two scales (exact in any precision), so
+# the e4m3/e5m2 operands should be bit-identical and the differences come only from cuBLAS choosing another
+# algorithm for another operand layout (summation order) and from rounding out and grad_x to bf16. 1e-2 is
+# above every element moving by one bf16 step (2**-8 = 3.9e-3 relative) and several times below the FP8
+# rounding itself (one e4m3 step is 2**-3 relative; the eager op is 3.7e-2 (out) and 5e-2 (gradients) from
+# fp32 in a CPU dry run at 1024 x 256 x 2048, where compiled and eager agreed exactly), so a compiled kernel
+# that scales, casts, saturates or transposes differently from the eager one fails the row.
+FP8_COMPILED_TOLERANCE = 1e-2
+
+
+def check_fp8_compiled(T, torch, device, shape=FP8_SHAPE) -> Row:
+    """The head's forward + backward through fp8_matmul, eager, then under torch.compile(fullgraph=True) after
+    compile_fp8_kernels() with the trainer's inductor settings (as build_model does with --compile=model:
+    the model's graph calls the opaque op, whose insides are compiled on their own)."""
+    case = fp8_case(torch, device, shape)
+    eager = head_run(torch, case, head_loss(T, "fp8"), torch.bfloat16)  # before FP8_KERNELS are swapped
+    started = time.time()
+    T.configure_inductor(T.Hyperparameters())  # the speedrun preset's coordinate-descent tuning
+    T.compile_fp8_kernels()
+    compiled = head_run(torch, case, torch.compile(head_loss(T, "fp8"), fullgraph=True, dynamic=False),
+                        torch.bfloat16)
+    compile_s = time.time() - started
+    names = ("out", "grad_x", "grad_w")
+    errs = [rel_err(c, e) for c, e in zip(compiled, eager)]
+    finite = all(bool(torch.isfinite(t).all()) for t in compiled)
+    ok = finite and all(e <= FP8_COMPILED_TOLERANCE for e in errs)
+    numbers = ("rel err compiled vs eager: " + ", ".join(f"{k} {e:.3g}" for k, e in zip(names, errs)) +
+               f" (limit {FP8_COMPILED_TOLERANCE:g}); compile+run {compile_s:.0f}s" +
+               ("" if finite else " (non-finite values)"))
+    return (FP8_COMPILED_ROW, "ok" if ok else "FAIL", numbers)
 
 
 def check_flex(T, torch) -> Row:
@@ -172,26 +280,48 @@ def check_flex(T, torch) -> Row:
                "; vs fp32 ref, flex/sdpa-bf16: " + ", ".join(f"{k} {a:.1e}/{b:.1e}" for k, a, b in
                                                               zip(names, diff_flex, diff_sdpa)) +
                f"; compile+run {compile_s:.0f}s")
-    return ("FlexAttention vs SDPA, T=4096", "ok" if ok else "FAIL", numbers)
+    return (FLEX_ROW, "ok" if ok else "FAIL", numbers)
 
 
-def check_kernels(torch) -> list[Row]:
+def guarded(name: str, check, *args) -> Row:
+    try:
+        return check(*args)
+    except Exception as e:  # a kernel that cannot run is the finding: report it and go on
+        return (name, "error", f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}")
+
+
+def part_main(part: str) -> int:
+    """The body of `gpu_check.py --part=fp8|flex`: its rows as one JSON line on stdout."""
+    import torch
     sys.path.insert(0, str(REPO))
     import train_gpt as T
-    rows = []
-    for check in (check_fp8, check_flex):
-        try:
-            rows.append(check(T, torch))
-        except Exception as e:  # a kernel that cannot run is the finding: report it and go on
-            name = "fp8_matmul vs bf16" if check is check_fp8 else "FlexAttention vs SDPA, T=4096"
-            rows.append((name, "error", f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"))
-        finally:
-            torch.cuda.empty_cache()
-    return rows
+    device = torch.device("cuda")
+    if part == "flex":
+        rows = [guarded(FLEX_ROW, check_flex, T, torch)]
+    elif not T.fp8_supported(device):
+        cap = torch.cuda.get_device_capability(device)
+        rows = [(name, "skipped: no FP8", f"compute capability {cap[0]}.{cap[1]} < 8.9") for name in PART_ROWS["fp8"]]
+    else:
+        rows = [guarded(FP8_ROW, check_fp8, T, torch, device)]
+        torch.cuda.empty_cache()
+        rows.append(guarded(FP8_COMPILED_ROW, check_fp8_compiled, T, torch, device))
+    say(ROWS_PREFIX + json.dumps(rows))
+    return 0
+
+
+def check_part(part: str, timeout: float, tmp: Path) -> list[Row]:
+    rc, out = run_child([sys.executable, str(Path(__file__).resolve()), f"--part={part}"], timeout,
+                        tmp / f"{part}.txt")
+    lines = [line for line in out.splitlines() if line.startswith(ROWS_PREFIX)]
+    if lines:
+        return [tuple(row) for row in json.loads(lines[-1][len(ROWS_PREFIX):])]
+    if rc is None:
+        return [(name, "timeout", f"stopped after {timeout:.0f}s, its share (cold compiles)") for name in PART_ROWS[part]]
+    return [(name, "error", f"exit {rc}: {tail(out, 1)}") for name in PART_ROWS[part]]
 
 
 # -----------------------------------------------------------------------------
-# (c) the speedrun preset, timed
+# Synthetic data and what the trainer leaves behind
 
 def write_shard(path: Path, n_tokens: int, seed: int) -> None:
     """A shard in the one format data/shardio.py defines, of random tokens split into documents of
@@ -208,9 +338,97 @@ def write_shard(path: Path, n_tokens: int, seed: int) -> None:
     shardio.write_shard(path, tokens)
 
 
+def read_summary(path: Path) -> dict | None:
+    """The trainer's JSON summary (its declared result, written atomically), or None when there is none."""
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def step_times_ms(run_log: Path) -> dict[int, float]:
+    """train_time of each step line of a run log, by step (records/read_records.py is the one reader)."""
+    if str(REPO) not in sys.path:
+        sys.path.insert(0, str(REPO))
+    from records.read_records import parse_progress_line
+    times = {}
+    if run_log.is_file():
+        for line in run_log.read_text(errors="replace").splitlines():
+            p = parse_progress_line(line)
+            if p is not None and p.step is not None and "train_time" in p.fields:
+                times[p.step] = p.fields["train_time"]
+    return times
+
+
+def torchrun(nproc: int) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+            str(REPO / "train_gpt.py")]
+
+
+def trainer_env() -> dict:
+    return {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "4")}
+
+
+# -----------------------------------------------------------------------------
+# (d) two ranks: stop with a checkpoint, resume from it
+
+RESUME_RUN_ID = "resume_drill"
+RESUME_STOP, RESUME_STEPS = 2, 3
+# The speedrun preset (what a GPU run gets) shrunk to a plumbing check. --attention=banded --compile=off:
+# nothing is compiled (flex attention outside a compiled model would be compiled on its own, choose_kernels'
+# compile_attention), so each launch costs start-up and seconds, and the row tests the collectives, the
+# checkpoint and the stop signal rather than kernels, which (b), (c) and (e) cover. The FP8 head stays on
+# where supported (eager). 1024-token sequences, 2 micro-steps per rank; one validation sequence per rank.
+RESUME_FLAGS = ["--preset=speedrun", "--n_layer=2", "--model_dim=256", "--n_head=2", "--head_dim=128",
+                "--seq_len=1024", "--batch_tokens=4096", "--val_seq_len=1024", "--val_tokens=2048",
+                "--window_final_tokens=1024", "--val_every=0", "--warmup_steps=0", "--attention=banded",
+                "--compile=off", f"--num_iterations={RESUME_STEPS}", f"--run_id={RESUME_RUN_ID}"]
+
+
+def check_resume(timeout: float, tmp: Path, nproc: int = 2) -> tuple[Row, dict]:
+    """First launch: --stop_after=2 writes step_000002 and exits 0; second: --resume=latest trains step 3 and
+    writes the summary. Passes when both exit 0, the checkpoint folder exists and the summary has a finite
+    final val loss after 3 steps and one resume on 2 ranks."""
+    part_end = time.time() + timeout
+    data, log_dir = tmp / "resume_data", tmp / "resume_logs"
+    data.mkdir()
+    write_shard(data / "synth_train_000001.bin", 16 * 4096 + 1, seed=3)
+    write_shard(data / "synth_val_000000.bin", 2 * 2048 + 1, seed=4)
+    base = torchrun(nproc) + RESUME_FLAGS + [f"--train_files={data}/synth_train_*.bin",
+                                             f"--val_files={data}/synth_val_*.bin", f"--log_dir={log_dir}"]
+    found: dict = {"nproc": nproc}
+    checkpoint = log_dir / RESUME_RUN_ID / f"step_{RESUME_STOP:06d}"
+    started = time.time()
+    rc, out = run_child(base + [f"--stop_after={RESUME_STOP}"], part_end - time.time(), tmp / "resume_1.txt",
+                        trainer_env())
+    found["first_wall_s"] = time.time() - started
+    if rc != 0:
+        what = f"timed out after {found['first_wall_s']:.0f}s (a hang)" if rc is None else f"exit {rc}"
+        return (RESUME_ROW, "FAIL", f"first launch (--stop_after={RESUME_STOP}) {what}: {trainer_failure(out)}"), found
+    if not checkpoint.is_dir():
+        return (RESUME_ROW, "FAIL", f"first launch exited 0 but wrote no {checkpoint.name}: {trainer_failure(out)}"), found
+    found["checkpoint_mib"] = sum(f.stat().st_size for f in checkpoint.rglob("*") if f.is_file()) / 2 ** 20
+    started = time.time()
+    rc, out = run_child(base + ["--resume=latest"], part_end - time.time(), tmp / "resume_2.txt", trainer_env())
+    found["second_wall_s"] = time.time() - started
+    summary = read_summary(log_dir / f"{RESUME_RUN_ID}.json") or {}
+    found.update({k: summary.get(k) for k in ("final_val_loss", "steps", "resumes", "world_size", "runtime")})
+    walls = f"launches {found['first_wall_s']:.0f}s + {found['second_wall_s']:.0f}s"
+    if rc != 0:
+        what = f"timed out after {found['second_wall_s']:.0f}s (a hang)" if rc is None else f"exit {rc}"
+        return (RESUME_ROW, "FAIL", f"resume (--resume=latest) {what}: {trainer_failure(out)}"), found
+    loss = found.get("final_val_loss")
+    loss = loss if isinstance(loss, (int, float)) else math.nan  # None: the summary is missing or holds none
+    ok = (math.isfinite(loss) and found.get("steps") == RESUME_STEPS and found.get("resumes") == 1
+          and found.get("world_size") == nproc)
+    numbers = (f"stopped after step {RESUME_STOP} ({checkpoint.name}, {found['checkpoint_mib']:.0f} MiB), resumed "
+               f"to step {found.get('steps')}: final val loss {loss:.4f}, resumes {found.get('resumes')}, world size "
+               f"{found.get('world_size')}, device {(found.get('runtime') or {}).get('device')}; {walls}")
+    return (RESUME_ROW, "ok" if ok else "FAIL", numbers if summary else f"no summary JSON: {trainer_failure(out)}"), found
+
+
+# -----------------------------------------------------------------------------
+# (e) the speedrun preset, timed
+
 def kernel_table(trace_path: Path, top: int = 15) -> dict:
     """Total time per CUDA kernel in a Chrome trace, the top kernels, and NCCL (communication) vs the rest."""
-    import json
     events = json.loads(trace_path.read_text()).get("traceEvents", [])
     totals: dict[str, float] = {}
     for e in events:
@@ -223,57 +441,58 @@ def kernel_table(trace_path: Path, top: int = 15) -> dict:
             "compute_ms": (sum(totals.values()) - comm) / 1000}
 
 
-def check_speedrun(n_gpus: int, steps: int, warmup: int, timeout: float, recipe: str = "reference") -> tuple[Row, dict]:
-    import json
+def tokens_between(batch_stages: list, first: int, last: int) -> int:
+    """Training tokens of steps first .. last-1 from the summary's batch_stages ([first step, tokens, micro-steps])."""
+    total = 0
+    for i, (start, tokens, _) in enumerate(batch_stages):
+        end = batch_stages[i + 1][0] if i + 1 < len(batch_stages) else last
+        total += tokens * max(0, min(end, last) - max(start, first))
+    return total
+
+
+def check_speedrun(n_gpus: int, steps: int, warmup: int, timeout: float, tmp: Path,
+                   recipe: str = "reference") -> tuple[Row, dict]:
     nproc = max(w for w in (1, 2, 4, 8) if w <= n_gpus and SEQUENCES_PER_STEP % w == 0)
-    name = f"speedrun preset, recipe {recipe}, {nproc} GPU(s), {steps} steps"
+    total_steps = STEPS_BEFORE_CLEAN + steps  # the profiled steps come first, then `steps` clean timed ones
+    name = f"{SPEEDRUN_ROW} ({recipe}, {nproc} GPU(s), {steps} steps)"
     val_tokens = VAL_SEQ_LEN * nproc
-    found: dict = {"nproc": nproc}
-    with tempfile.TemporaryDirectory(prefix="gpu_check_") as tmp:
-        tmp = Path(tmp)
-        # v2 aligns sequences to documents, which skips the tail of each: a quarter more tokens covers it
-        margin = 1.25 if recipe != "reference" else 1.0
-        write_shard(tmp / "synth_train_000001.bin", int((max(steps, warmup) + 1) * GLOBAL_BATCH * margin) + 1, seed=1)
-        write_shard(tmp / "synth_val_000000.bin", val_tokens + 1, seed=2)
-        log_dir = tmp / "logs"
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-               str(REPO / "train_gpt.py"), "--preset=speedrun", f"--recipe={recipe}", f"--num_iterations={steps}",
-               "--val_every=0",
-               f"--warmup_steps={warmup}", f"--val_tokens={val_tokens}", f"--profile_steps={PROFILED_STEPS}",
-               f"--train_files={tmp}/synth_train_*.bin", f"--val_files={tmp}/synth_val_*.bin",
-               f"--log_dir={log_dir}", "--run_id=gpu_check"]
-        say("$ " + " ".join(cmd))
-        out_path = tmp / "stdout.txt"
-        started = time.time()
-        with open(out_path, "w") as out:
-            proc = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                                    env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "4")})
-            try:
-                rc = proc.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGTERM)
-                try:
-                    proc.wait(timeout=20)
-                except subprocess.TimeoutExpired:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                    proc.wait()
-                rc = None
-        wall = time.time() - started
-        text = out_path.read_text(errors="replace")
-        summary_path = log_dir / "gpu_check.json"
-        if summary_path.is_file():  # the trainer's declared result file, not its log lines
-            summary = json.loads(summary_path.read_text())
-            found.update({k: summary.get(k) for k in ("step_avg_ms", "peak_memory_mib", "final_val_loss",
-                                                       "recompiles_after_warmup", "runtime", "tokens",
-                                                       "train_time_ms")})
-        trace = log_dir / "gpu_check_rank0.trace.json"
-        if trace.is_file():
-            found.update(kernel_table(trace))
-    found["wall_s"] = wall
+    found: dict = {"nproc": nproc, "steps": total_steps, "clean_steps": steps}
+    data, log_dir = tmp / "speedrun_data", tmp / "speedrun_logs"
+    data.mkdir()
+    # v2 aligns sequences to documents, which skips the tail of each: a quarter more tokens covers it
+    margin = 1.25 if recipe != "reference" else 1.0
+    write_shard(data / "synth_train_000001.bin", int((max(total_steps, warmup) + 1) * GLOBAL_BATCH * margin) + 1,
+                seed=1)
+    write_shard(data / "synth_val_000000.bin", val_tokens + 1, seed=2)
+    cmd = torchrun(nproc) + [
+        "--preset=speedrun", f"--recipe={recipe}", f"--num_iterations={total_steps}", "--val_every=0",
+        f"--warmup_steps={warmup}", f"--val_tokens={val_tokens}", f"--profile_steps={PROFILED_STEPS}",
+        f"--train_files={data}/synth_train_*.bin", f"--val_files={data}/synth_val_*.bin",
+        f"--log_dir={log_dir}", "--run_id=gpu_check"]
+    started = time.time()
+    rc, text = run_child(cmd, timeout, tmp / "speedrun.txt", trainer_env())
+    wall = found["wall_s"] = time.time() - started
+    summary = read_summary(log_dir / "gpu_check.json")
+    if summary:
+        found.update({k: summary.get(k) for k in ("step_avg_ms", "peak_memory_mib", "final_val_loss",
+                                                   "recompiles_after_warmup", "runtime", "tokens",
+                                                   "train_time_ms")})
+    times = step_times_ms(log_dir / "gpu_check.txt")
+    found["last_step_line"] = max(times, default=0)
+    if summary and STEPS_BEFORE_CLEAN in times:
+        # from the first clean step line (host time) to the end of training (synchronized before validation)
+        clean_ms = summary["train_time_ms"] - times[STEPS_BEFORE_CLEAN]
+        found["clean_ms_per_step"] = clean_ms / steps
+        stages = summary["runtime"]["batch_stages"]
+        found["clean_tokens_per_s"] = tokens_between(stages, STEPS_BEFORE_CLEAN, total_steps) / clean_ms * 1000
+    trace = log_dir / "gpu_check_rank0.trace.json"
+    if trace.is_file():
+        found.update(kernel_table(trace))
     parts = []
-    if found.get("step_avg_ms") and found.get("train_time_ms"):  # v2's batch stages: tokens vary per step
-        parts.append(f"{found['step_avg_ms']:.1f} ms/step ({found['tokens'] / found['train_time_ms'] * 1000:,.0f} "
-                     "tokens/s)")
+    if "clean_ms_per_step" in found:
+        parts.append(f"{found['clean_ms_per_step']:.1f} ms/step over steps {STEPS_BEFORE_CLEAN + 1}-{total_steps} "
+                     f"({found['clean_tokens_per_s']:,.0f} tokens/s; all {total_steps} steps with the profiled ones: "
+                     f"{found['step_avg_ms']:.1f} ms)")
     if found.get("peak_memory_mib") is not None:
         parts.append(f"peak memory {found['peak_memory_mib']:.0f} MiB allocated (rank 0)")
     if "recompiles_after_warmup" in found:
@@ -282,61 +501,99 @@ def check_speedrun(n_gpus: int, steps: int, warmup: int, timeout: float, recipe:
         parts.append(f"{PROFILED_STEPS} profiled steps: kernels {found['kernel_ms']:.0f} ms, of which "
                      f"communication {found['communication_ms']:.0f} ms, compute {found['compute_ms']:.0f} ms")
     parts.append(f"wall {wall:.0f}s incl. compile")
+    if rc is None and not times:
+        return (name, "timeout", f"no training step within {timeout:.0f}s, its share (cold compile; raise "
+                "--budget-s or pass --skip-tests); " + tail(text, 2)), found
     if rc is None:
-        return (name, "FAIL", f"timed out after {timeout:.0f}s; " + "; ".join(parts)), found
-    if rc != 0 or not found.get("step_avg_ms"):
-        tail = " | ".join(line for line in text.strip().splitlines()[-4:])
-        return (name, "FAIL", f"exit {rc}: {tail[:400]}"), found
+        return (name, "FAIL", f"timed out after step {found['last_step_line']} of {total_steps}; "
+                + "; ".join(parts)), found
+    if rc != 0 or "clean_ms_per_step" not in found:
+        return (name, "FAIL", f"exit {rc}: {trainer_failure(text, 4)}"), found
     result = "ok" if found.get("recompiles_after_warmup") == 0 else "FAIL"
     return (name, result, "; ".join(parts)), found
 
 
 # -----------------------------------------------------------------------------
 
-def write_json(path: Path, rows: list[Row], details: dict) -> None:
-    import json
+def write_json(path: Path, rows: list, details: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"table": [dict(check=c, result=r, numbers=n) for c, r, n in rows],
-                                "speedrun": details}, indent=1))
+    path.write_text(json.dumps({"table": [dict(check=c, result=r, time=t, numbers=n) for c, r, t, n in rows],
+                                **details}, indent=1))
     say(f"wrote {path}")
 
 
-def print_table(rows: list[Row]) -> None:
-    widths = [max(len(r[i]) for r in rows + [("check", "result", "numbers")]) for i in range(2)]
+def print_table(rows: list) -> None:
+    """rows: (check, result, time, numbers)."""
+    header = ("check", "result", "time")
+    widths = [max(len(r[i]) for r in rows + [header]) for i in range(3)]
     say("")
-    say(f"{'check':<{widths[0]}} | {'result':<{widths[1]}} | numbers")
-    say(f"{'-' * widths[0]}-+-{'-' * widths[1]}-+-{'-' * 7}")
-    for check, result, numbers in rows:
-        say(f"{check:<{widths[0]}} | {result:<{widths[1]}} | {numbers}")
+    say(" | ".join(f"{h:<{w}}" for h, w in zip(header, widths)) + " | numbers")
+    say("-+-".join("-" * w for w in widths) + "-+-" + "-" * 7)
+    for row in rows:
+        say(" | ".join(f"{v:<{w}}" for v, w in zip(row[:3], widths)) + f" | {row[3]}")
+
+
+def finish(rows: list, details: dict, out: Path) -> int:
+    print_table(rows)
+    write_json(out, rows, details)
+    unchecked = [r for r in rows if r[1].startswith(("skipped", "not checked", "timeout"))]
+    if unchecked:
+        say("not checked: " + "; ".join(f"{r[0]} ({r[1].removeprefix('skipped: ').removeprefix('not checked: ')})"
+                                        for r in unchecked))
+    return 1 if any(r[1] in ("FAIL", "error") for r in rows) else 0
+
+
+def shares_line(shares: dict, budget: float) -> str:
+    return ("time shares (s): " + ", ".join(f"{p} {s:.0f}" for p, s in shares.items()) +
+            f" = {sum(shares.values()):.0f} of --budget-s {budget:.0f}")
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help="skip (c), the timed speedrun-preset run")
+    p.add_argument("--quick", action="store_true", help="skip (e), the timed speedrun-preset run")
     p.add_argument("--skip-tests", action="store_true", help="skip (a), the GPU pytest tests")
-    p.add_argument("--steps", type=int, default=40, help="timed steps of the speedrun preset (default 40)")
-    p.add_argument("--recipe", default="reference", choices=["reference", "v2"], help="recipe of (c) (reference)")
-    p.add_argument("--warmup", type=int, default=10, help="untimed compile/warm-up steps (default 10)")
-    p.add_argument("--budget-s", type=float, default=570, help="overall time budget in seconds (default 570)")
+    p.add_argument("--steps", type=int, default=12,
+                   help=f"timed steps of (e), after its first {STEPS_BEFORE_CLEAN} (profiler, trace export) (default 12)")
+    p.add_argument("--recipe", default="reference", choices=["reference", "v2"], help="recipe of (e) (reference)")
+    p.add_argument("--warmup", type=int, default=3,
+                   help="untimed compile/warm-up steps of (e) (default 3: the first compiles, the next two catch "
+                        "a recompilation that optimizer state or a changed value causes, so the timed steps run "
+                        "compiled kernels only; a later one is counted in recompiles_after_warmup)")
+    p.add_argument("--budget-s", type=float, default=sum(BUDGET_S.values()),
+                   help=f"overall time budget in seconds (default {sum(BUDGET_S.values())}: the sum of the shares "
+                        "at the top of this file; less shrinks every share in proportion)")
     p.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "gpu_check.json",
                    help="JSON file for the table and every number (default bench/results/gpu_check.json)")
-    p.add_argument("--tests-timeout-s", type=float, default=0,
-                   help="time limit of the pytest part (default: 35%% of the budget, 70%% with --quick)")
+    p.add_argument("--resume-drill-on-cpu", action="store_true",
+                   help="run only (d) on CPU (gloo, same flags) to check its command lines without a GPU "
+                        "(about a minute on 2 cores); not a GPU check")
+    p.add_argument("--part", choices=["fp8", "flex"], help=argparse.SUPPRESS)  # (b) or (c) in its own process
     a = p.parse_args(sys.argv[1:] if argv is None else argv)
-    deadline = time.time() + a.budget_s
+    if a.part:
+        return part_main(a.part)
+    started = time.time()
+    scale = min(1.0, a.budget_s / sum(BUDGET_S.values()))
+    shares = {part: s * scale for part, s in BUDGET_S.items()}
 
     import torch
     say(f"python {platform.python_version()}, torch {torch.__version__}, CUDA build {torch.version.cuda}")
-    rows: list[Row] = []
-    details: dict = {}
-    names = ("pytest (GPU tests)", "fp8_matmul vs bf16", "FlexAttention vs SDPA, T=4096", "speedrun preset timing")
+    say(shares_line(shares, a.budget_s))
+    details: dict = {"budget_s": a.budget_s, "shares_s": shares, "parts": {}}
+    if a.resume_drill_on_cpu:
+        with tempfile.TemporaryDirectory(prefix="gpu_check_") as tmp:
+            row, details["resume"] = check_resume(a.budget_s, Path(tmp))
+        wall = details["resume"]["first_wall_s"] + details["resume"].get("second_wall_s", 0)
+        return finish([(row[0] + " (CPU, gloo)", row[1], f"{wall:.0f}s", row[2])], details, a.out)
     if not torch.cuda.is_available():
-        reason = "skipped: no CUDA GPU"
         say("no CUDA GPU visible (torch.cuda.is_available() is False): nothing GPU-specific can run here")
-        print_table([(n, reason, "") for n in names])
-        write_json(a.out, [(n, reason, "") for n in names], details)
+        needs = {"tests": "needs CUDA (the tests marked gpu)", "fp8": "needs a GPU of compute capability >= 8.9",
+                 "flex": "needs CUDA (compiled FlexAttention's backward)", "resume": RESUME_NEEDS,
+                 "speedrun": "needs CUDA GPUs"}
+        rows = [(name, "skipped: no CUDA GPU", "-", needs[part]) for part, names in PART_ROWS.items()
+                for name in names]
+        code = finish(rows, details, a.out)
         say("skipped: every check (no CUDA GPU); run this on a machine with NVIDIA GPUs")
-        return 0
+        return code
 
     n_gpus = torch.cuda.device_count()
     for i in range(n_gpus):
@@ -344,29 +601,45 @@ def main(argv: list[str] | None = None) -> int:
         say(f"GPU {i}: {props.name}, compute capability {props.major}.{props.minor}, "
             f"{props.total_memory / 2**30:.0f} GiB")
 
-    if a.skip_tests:
-        rows.append((names[0], "skipped: --skip-tests", ""))
-    else:
-        cap = a.tests_timeout_s or (deadline - time.time()) * (0.35 if not a.quick else 0.7)
-        rows += check_tests(cap)
-    rows += check_kernels(torch)
-    if a.quick:
-        rows.append((names[3], "skipped: --quick", ""))
-    else:
-        remaining = deadline - time.time()
-        if remaining < 120:
-            rows.append((names[3], "skipped: out of time", f"{remaining:.0f}s of --budget-s left, need >= 120"))
-        else:
-            row, details = check_speedrun(n_gpus, a.steps, a.warmup, remaining, a.recipe)
-            rows.append(row)
-            for k in details.get("top_kernels", []):
-                say(f"  {k['ms']:9.1f} ms  {k['name']}")
-    print_table(rows)
-    write_json(a.out, rows, details)
-    skipped = [r for r in rows if r[1].startswith("skipped")]
-    if skipped:
-        say("skipped: " + "; ".join(f"{r[0]} ({r[1].removeprefix('skipped: ')})" for r in skipped))
-    return 1 if any(r[1] in ("FAIL", "error") for r in rows) else 0
+    skips = {"tests": "skipped: --skip-tests" if a.skip_tests else None,
+             "resume": f"not checked: {RESUME_NEEDS}" if n_gpus < 2 else None,
+             "speedrun": "skipped: --quick" if a.quick else None}
+    running = [part for part in BUDGET_S if not skips.get(part)]
+    rows: list = []
+    with tempfile.TemporaryDirectory(prefix="gpu_check_") as tmp:
+        tmp = Path(tmp)
+        for part in BUDGET_S:
+            if skips.get(part):
+                numbers = f"{n_gpus} GPU visible" if part == "resume" else ""
+                rows += [(name, skips[part], "-", numbers) for name in PART_ROWS[part]]
+                continue
+            # the end of this part's share counted from the start; the last part runs to the end of the budget
+            done = running[:running.index(part) + 1]
+            end = started + (a.budget_s if part == running[-1] else sum(shares[q] for q in done))
+            timeout = end - time.time()
+            if timeout < MIN_S[part]:
+                rows += [(name, "skipped: budget", "-", f"{max(timeout, 0):.0f}s left for it, needs >= "
+                          f"{MIN_S[part]}s (--budget-s {a.budget_s:.0f})") for name in PART_ROWS[part]]
+                continue
+            say(f"-- {part}: up to {timeout:.0f}s")
+            part_started = time.time()
+            if part == "tests":
+                got = check_tests(timeout, tmp)
+            elif part in ("fp8", "flex"):
+                got = check_part(part, timeout, tmp)
+            elif part == "resume":
+                row, details["resume"] = check_resume(timeout, tmp)
+                got = [row]
+            else:
+                row, details["speedrun"] = check_speedrun(n_gpus, a.steps, a.warmup, timeout, tmp, a.recipe)
+                got = [row]
+                for k in details["speedrun"].get("top_kernels", []):
+                    say(f"  {k['ms']:9.1f} ms  {k['name']}")
+            wall = time.time() - part_started
+            details["parts"][part] = {"share_s": shares[part], "timeout_s": timeout, "wall_s": wall}
+            rows += [(c, r, f"{wall:.0f}s of {timeout:.0f}s", n) for c, r, n in got]
+    details["wall_s"] = time.time() - started
+    return finish(rows, details, a.out)
 
 
 if __name__ == "__main__":
