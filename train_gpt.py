@@ -214,43 +214,6 @@ PRESETS = {
     ),
 }
 
-# A recipe's values per preset, applied on top of the preset (command-line flags win over both).
-# v2 turns on the later records' techniques, each its own flag, so that any one can be switched off.
-V2_COMMON = dict(
-    batch_schedule="1/3,2/3,1", cooldown_frac=0.55,  # 2025-11-29_BatchSizeSchedule
-    polar_express=True, normuon=True, cautious_wd=True,
-    scalar_adam_beta1=0.9, scalar_adam_beta2=0.99,  # 2025-12-21_SmoothedScalars
-    bigram_sign=True,  # 2026-05-20_BigramsSignTrick
-    smear=True, attn_gate=True, ve_gates=True, skip_gates=True, backout=True, key_offset=True, paired_heads=True,
-    logit_softcap=23.0, logit_offset=5.0,  # 2025-12-26_LogitRescale
-    mtp_tokens=3,  # 2025-12-22_MultiTokenPrediction
-)
-RECIPES: dict[str, dict[str, dict]] = {
-    "reference": {preset: {} for preset in PRESETS},
-    "v2": {
-        # 16K-token sequences, so that each stage is whole sequences on 8 GPUs (1, 2, 3 micro-steps);
-        # documents cut at 2048 tokens as the record's max_seq_len (2025-09-03_FA3).
-        # 2026-05-20_BigramsSignTrick: 15 x 50304 bigram rows of 192 dims (a quarter of the stream).
-        # 2025-11-29_BatchSizeSchedule's lrs are set for its first batch and scaled up by (batch / 131072) ** 0.6:
-        # Muon 0.023 -> 0.0444 at the final batch, ours' base; its cooldown floor is 0.1 of the first stage's lr.
-        "speedrun": {**V2_COMMON, "bos_align": True, "doc_len_cap": 2048, "seq_len": 16 * 1024,
-                     "bigram_vocab_size": 15 * 50304, "bigram_dim": 192,
-                     "muon_lr": 0.0444, "lr_final_frac": 0.0518},
-        # The record's ramp in 512-token sequences, 4 -> 8 -> 12, which 1, 2 and 4 ranks split (2048 -> 4096 ->
-        # 6144 tokens; 96 steps train the ablation's 393K tokens); windows grow to the sequence, 512 tokens.
-        # No document alignment: the bundled sample's documents are ~7.8K tokens long (median), so aligned
-        # sequences would drop most of its text and repeat the rest within a benchmark run.
-        # Bigram rows: the sample has about 10^5 distinct bigrams, so 5 x 50304 rows of a quarter of the stream.
-        # Without the logit rescale and multi-token prediction, which pay only at scale: at this size each
-        # cost loss beyond the noise (bench/results/v2_before_issue29: +0.113 and +0.047), so they are one
-        # flag away (--logit_softcap=23 --logit_offset=5 --mtp_tokens=3), not on.
-        "cpu": {**V2_COMMON, "batch_tokens": 6144, "seq_len": 512, "window_final_tokens": 512,
-                "bigram_vocab_size": 5 * 50304, "bigram_dim": 64,
-                "logit_softcap": 30.0, "logit_offset": 0.0, "mtp_tokens": 1},
-    },
-}
-
-
 @dataclass(frozen=True)
 class FieldType:
     """How the command line sets a hyperparameter: its kind, and whether 'none' sets it to None."""
@@ -391,29 +354,236 @@ BETA = number(0.0, 1.0, hi_open=True)  # a decay of 1 never forgets; above 1 it 
 OPTIONAL_BETA = Rule(lambda v: v is None or BETA.ok(v), BETA.valid + ", or none")
 LR = number(0.0)
 
-# Every Hyperparameters field and what it accepts; validate_args refuses a field missing here.
+
+# -----------------------------------------------------------------------------
+# Recipe v2: the later records' techniques, each declared once
+
+@dataclass(frozen=True)
+class Refusal:
+    """A combination of flags a technique cannot run with, and the one line that says what to pass instead."""
+    when: typing.Callable[[Hyperparameters], bool]
+    why: typing.Callable[[Hyperparameters], str]
+
+
+@dataclass(frozen=True)
+class Technique:
+    """One technique of recipe v2: validation, the recipes, checkpoints, decoding, the optimizer's gate groups,
+    bench/ablation.py's variants and the README's Recipes table (a test holds it to this) all read it from here.
+    Its flags are Hyperparameters fields (with their comments and defaults, which are the technique off); its
+    math lives where the model or the optimizer uses it."""
+    name: str  # bench/ablation.py calls its variants v2_without_<name> / v2_with_<name>
+    records: tuple[str, ...]  # its modded-nanogpt records/track_1_short/ folders
+    part: str  # model (ModelConfig carries its flags) | loss | optimizer | schedule | data
+    flags: dict[str, Rule]  # the hyperparameters it owns, and what each accepts
+    v2: dict[str, dict]  # preset -> the values recipe v2 sets there (its own flags or others) ...
+    left_out: dict[str, str] = dataclasses.field(default_factory=dict)  # ... or why v2 leaves it out there
+    refusals: tuple[Refusal, ...] = ()
+    reads_previous_token: bool = False  # the KV cache cannot extend it: decoding reruns the history
+    gate_lrs: dict[str, float] = dataclasses.field(default_factory=dict)  # its gates' lr, a fraction of scalar_lr
+    optimizer_state: bool = False  # it changes what the optimizer keeps, so a checkpoint must agree on it
+
+    @property
+    def switch(self) -> str:
+        """The flag that turns it on: its first."""
+        return next(iter(self.flags))
+
+    def is_on(self, values) -> bool:
+        """Whether a run (Hyperparameters or ModelConfig) uses it: its switch is off its default."""
+        return getattr(values, self.switch) != getattr(Hyperparameters, self.switch)
+
+    def off(self, preset: str) -> dict[str, object]:
+        """The values that leave it out on preset: what the reference recipe has for every flag v2 sets."""
+        reference = {**{f.name: getattr(Hyperparameters, f.name) for f in fields(Hyperparameters)}, **PRESETS[preset]}
+        return {name: reference[name] for name in self.v2.get(preset, {})}
+
+
+def everywhere(**values) -> dict[str, dict]:
+    return {preset: values for preset in PRESETS}
+
+
+def gates_need_width(flag: str) -> Refusal:
+    return Refusal(lambda a: getattr(a, flag) and a.model_dim < GATE_DIMS,
+                   lambda a: f"--{flag}=true reads the stream's first {GATE_DIMS} dims, more than --model_dim="
+                             f"{a.model_dim}; switch the gate off or widen the model")
+
+
+def needs_muon(flag: str) -> Refusal:
+    return Refusal(lambda a: getattr(a, flag) and not a.muon,
+                   lambda a: f"--{flag}=true changes Muon's update, and --muon=false turns Muon off; pass "
+                             f"--muon=true or --{flag}=false")
+
+
+# Gate lrs are fractions of scalar_lr (0.04 = 5 x the record's Adam lr 0.008): 2025-12-29_VeSkipGates has the
+# smear gate at 0.01 x and the skip gate at 0.05 x that Adam lr, 2026-05-20_BigramsSignTrick the others at 1 x.
+TECHNIQUES: tuple[Technique, ...] = (
+    Technique(
+        "batch_schedule", ("2025-11-29_BatchSizeSchedule",), "schedule",
+        {"batch_schedule": Rule(lambda v: v == "" or stage_fractions(v) is not None,
+                                "empty, or comma-separated fractions in (0, 1] such as 1/3,2/3,1"),
+         "batch_lr_exponent": number(0.0)},
+        # Its lrs are set for its first batch and scaled up by (batch / 131072) ** 0.6: Muon 0.023 -> 0.0444 at
+        # the final batch, ours' base; its cooldown floor is 0.1 of the first stage's lr.
+        {"speedrun": dict(batch_schedule="1/3,2/3,1", cooldown_frac=0.55, muon_lr=0.0444, lr_final_frac=0.0518),
+         "cpu": dict(batch_schedule="1/3,2/3,1", cooldown_frac=0.55)}),
+    Technique(  # sequences start at a document; documents are cut at the record's max_seq_len
+        "doc_align", ("2025-07-12_BosAlign", "2025-09-03_FA3"), "data",
+        {"bos_align": ANY_BOOL, "doc_len_cap": integer(0)},
+        {"speedrun": dict(bos_align=True, doc_len_cap=2048)},
+        left_out={"cpu": "the bundled sample's documents are ~7.8K tokens long (median), so aligned sequences "
+                         "would drop most of its text"},
+        refusals=(Refusal(lambda a: a.doc_len_cap and not a.bos_align,
+                          lambda a: f"--doc_len_cap={a.doc_len_cap} packs whole documents from their start, so it "
+                                    "needs --bos_align=true (or pass --doc_len_cap=0)"),)),
+    Technique(
+        "polar_express", ("2025-09-29_PolarExpress",), "optimizer", {"polar_express": ANY_BOOL},
+        everywhere(polar_express=True),
+        refusals=(needs_muon("polar_express"),
+                  Refusal(lambda a: a.polar_express and a.ns_steps > len(POLAR_EXPRESS_COEFFICIENTS),
+                          lambda a: f"--polar_express=true has {len(POLAR_EXPRESS_COEFFICIENTS)} iterations' "
+                                    f"coefficients, not --ns_steps={a.ns_steps}; pass --ns_steps=5 or fewer"))),
+    Technique(
+        "normuon", ("2025-10-24_NorMuon", "2025-10-27_FixMuonLR"), "optimizer",
+        {"normuon": ANY_BOOL, "normuon_beta2": BETA}, everywhere(normuon=True),
+        refusals=(needs_muon("normuon"),), optimizer_state=True),
+    Technique(
+        "cautious_wd", ("2025-11-10_CautiousWD", "2025-12-18_CautiousWDAdam"), "optimizer",
+        {"cautious_wd": ANY_BOOL, "muon_cautious_wd": number(0.0), "adam_cautious_wd": number(0.0)},
+        everywhere(cautious_wd=True),
+        refusals=(Refusal(lambda a: a.cautious_wd and a.weight_decay,
+                          lambda a: f"--cautious_wd=true replaces the plain decay --weight_decay={a.weight_decay}; "
+                                    "pass one of them"),)),
+    Technique(
+        "smoothed_scalars", ("2025-12-21_SmoothedScalars",), "optimizer",
+        {"scalar_adam_beta1": OPTIONAL_BETA, "scalar_adam_beta2": OPTIONAL_BETA},
+        everywhere(scalar_adam_beta1=0.9, scalar_adam_beta2=0.99)),
+    # 15 x 50304 rows of 192 dims (a quarter of the stream); the bundled sample has about 10^5 distinct
+    # bigrams, so the cpu preset takes 5 x 50304 rows of a quarter of its stream.
+    Technique(
+        "bigram", ("2026-01-19_BigramHashEmbedding", "2026-05-20_BigramsSignTrick"), "model",
+        {"bigram_vocab_size": integer(0), "bigram_dim": integer(0), "bigram_sign": ANY_BOOL},
+        {"speedrun": dict(bigram_vocab_size=15 * 50304, bigram_dim=192, bigram_sign=True),
+         "cpu": dict(bigram_vocab_size=5 * 50304, bigram_dim=64, bigram_sign=True)},
+        refusals=(
+            Refusal(lambda a: a.bigram_sign and not a.bigram_vocab_size,
+                    lambda a: "--bigram_sign=true signs the bigram embedding, which --bigram_vocab_size=0 turns "
+                              "off; pass --bigram_sign=false or a table size"),
+            Refusal(lambda a: a.bigram_vocab_size == 1,
+                    lambda a: "--bigram_vocab_size=1 leaves no row besides the one kept for document starts; "
+                              "pass 0 (off) or at least 2"),
+            Refusal(lambda a: a.bigram_dim > a.model_dim,
+                    lambda a: f"--bigram_dim={a.bigram_dim} is wider than the stream it is added to (--model_dim="
+                              f"{a.model_dim}); pass at most that, or 0 for the full width")),
+        reads_previous_token=True),
+    Technique(
+        "smear", ("2025-09-18_Smear",), "model", {"smear": ANY_BOOL}, everywhere(smear=True),
+        refusals=(gates_need_width("smear"),), reads_previous_token=True, gate_lrs={"smear_gate": 0.01 / 5}),
+    Technique(
+        "attn_gate", ("2025-08-23_SparseAttnGate",), "model", {"attn_gate": ANY_BOOL}, everywhere(attn_gate=True),
+        refusals=(gates_need_width("attn_gate"),), gate_lrs={"attn_gate": 1 / 5}),
+    Technique(
+        "ve_skip_gates", ("2025-12-29_VeSkipGates",), "model", {"ve_gates": ANY_BOOL, "skip_gates": ANY_BOOL},
+        everywhere(ve_gates=True, skip_gates=True),
+        refusals=(
+            gates_need_width("ve_gates"), gates_need_width("skip_gates"),
+            Refusal(lambda a: a.ve_gates and not a.value_embeds,
+                    lambda a: "--ve_gates=true gates the value embeddings, which --value_embeds=false removes; pass "
+                              "--ve_gates=false or --value_embeds=true"),
+            Refusal(lambda a: a.skip_gates and not a.unet_skips,
+                    lambda a: "--skip_gates=true gates the U-net skips, which --unet_skips=false removes; pass "
+                              "--skip_gates=false or --unet_skips=true")),
+        gate_lrs={"ve_gate": 1 / 5, "skip_gate": 0.05 / 5}),
+    Technique("backout", ("2025-10-04_Backout",), "model", {"backout": ANY_BOOL}, everywhere(backout=True)),
+    Technique(
+        "key_offset", ("2025-12-14_PartialKeyOffset",), "model", {"key_offset": ANY_BOOL},
+        everywhere(key_offset=True), reads_previous_token=True),
+    Technique(
+        "paired_heads", ("2026-01-07_PairedHeadAttention",), "model", {"paired_heads": ANY_BOOL},
+        everywhere(paired_heads=True),
+        refusals=(
+            Refusal(lambda a: a.paired_heads and a.n_head % 2,
+                    lambda a: f"--paired_heads=true pairs heads, so --n_head={a.n_head} must be even; pass "
+                              "--paired_heads=false or an even --n_head"),
+            Refusal(lambda a: a.paired_heads and
+                    not any(LayerRoles.for_depth(a.n_layer, paired_heads=True).paired_heads),
+                    lambda a: f"--paired_heads=true pairs the short-window layers, and --n_layer={a.n_layer} has "
+                              "none; pass --paired_heads=false or --n_layer=4 or more")),
+        reads_previous_token=True),  # its interleaved positions do not extend token by token
+    # The logit rescale and multi-token prediction pay only at scale: on the cpu preset they are one flag away.
+    Technique(
+        "logit_rescale", ("2025-12-26_LogitRescale",), "model",
+        {"logit_offset": number(-math.inf, lo_open=True, hi_open=True)},
+        {"speedrun": dict(logit_softcap=23.0, logit_offset=5.0)},
+        left_out={"cpu": "it costs 0.113 of validation loss at this scale, beyond the noise "
+                         "(bench/results/v2_before_issue29)"},
+        refusals=(Refusal(lambda a: a.logit_offset != 0 and a.logit_softcap == 0,
+                          lambda a: f"--logit_offset={a.logit_offset} shifts the logits inside the softcap, which "
+                                    "--logit_softcap=0 turns off; pass --logit_offset=0 or a softcap"),)),
+    Technique(
+        "mtp", ("2025-12-22_MultiTokenPrediction",), "loss", {"mtp_tokens": integer(1)},
+        {"speedrun": dict(mtp_tokens=3)},
+        left_out={"cpu": "it costs 0.047 of validation loss at this scale, beyond the noise "
+                         "(bench/results/v2_before_issue29)"}),
+)
+
+# Recipe v2's batch geometry per preset, which the batch schedule's stages must split into whole sequences:
+# on speedrun 16K-token sequences (1, 2, 3 per GPU on 8 GPUs); on cpu the record's ramp in 512-token
+# sequences, 4 -> 8 -> 12, which 1, 2 and 4 ranks split (windows grow to the sequence).
+V2_SHAPE = {"speedrun": dict(seq_len=16 * 1024),
+            "cpu": dict(batch_tokens=6144, seq_len=512, window_final_tokens=512)}
+
+
+def v2_values(preset: str) -> dict[str, object]:
+    """What --recipe=v2 sets on preset: its shape, then every technique's values there."""
+    out = dict(V2_SHAPE[preset])
+    for technique in TECHNIQUES:
+        for name, value in technique.v2.get(preset, {}).items():
+            assert name not in out, f"{name} is set by two techniques of recipe v2"
+            out[name] = value
+    return out
+
+
+# A recipe's values per preset, applied on top of the preset (command-line flags win over both).
+RECIPES: dict[str, dict[str, dict]] = {
+    "reference": {preset: {} for preset in PRESETS},
+    "v2": {preset: v2_values(preset) for preset in PRESETS},
+}
+
+
+def left_out_line(args: Hyperparameters) -> str | None:
+    """The run-log line of a recipe-v2 run on a preset that leaves techniques out: why, and the flags that add them."""
+    missing = [t for t in TECHNIQUES if args.preset in t.left_out and not t.is_on(args)]
+    if args.recipe != "v2" or not missing:
+        return None
+    return f"recipe v2 on the {args.preset} preset leaves out " + "; ".join(
+        f"{t.name}: {t.left_out[args.preset]} ({flags_text(t.v2['speedrun'])} adds it)" for t in missing)
+
+
+def flags_text(values: dict[str, object]) -> str:
+    return " ".join(f"--{name}={flag_text(value)}" for name, value in values.items())
+
+
+def check_techniques(args: Hyperparameters) -> None:
+    """Refuses, in one line, a technique's flags that conflict with each other or with the shape."""
+    for technique in TECHNIQUES:
+        for refusal in technique.refusals:
+            if refusal.when(args):
+                raise UsageError(refusal.why(args))
+
+
+# Every Hyperparameters field and what it accepts (a technique's own flags: its declaration); validate_args
+# refuses a field missing here.
 FLAG_RULES: dict[str, Rule] = {
     "preset": one_of(*PRESETS), "recipe": one_of(*RECIPES), "seed": integer(0, 2**63 - 1),
     "train_files": NON_EMPTY, "val_files": NON_EMPTY, "val_tokens": integer(1), "train_cycle": ANY_BOOL,
-    "bos_align": ANY_BOOL, "doc_len_cap": integer(0), "batch_tokens": integer(1), "seq_len": integer(BLOCK_SIZE),
-    "batch_schedule": Rule(lambda v: v == "" or stage_fractions(v) is not None,
-                           "empty, or comma-separated fractions in (0, 1] such as 1/3,2/3,1"),
-    "batch_lr_exponent": number(0.0),
+    "batch_tokens": integer(1), "seq_len": integer(BLOCK_SIZE),
     "val_seq_len": integer(BLOCK_SIZE), "num_iterations": integer(1), "cooldown_frac": UNIT, "lr_final_frac": UNIT,
     "val_every": integer(0), "window_final_tokens": integer(1), "sliding_window": ANY_BOOL,
     "vocab_size": integer(1), "n_layer": integer(2), "model_dim": integer(1), "n_head": integer(1),
     "head_dim": integer(4), "attn_scale": number(0.0, lo_open=True), "logit_softcap": number(0.0),
     "value_embeds": ANY_BOOL, "unet_skips": ANY_BOOL, "zero_init": ANY_BOOL, "qk_norm": ANY_BOOL,
-    "mlp_act": one_of("relu2", "gelu"), "bigram_vocab_size": integer(0), "bigram_dim": integer(0),
-    "bigram_sign": ANY_BOOL,
-    "smear": ANY_BOOL, "attn_gate": ANY_BOOL, "ve_gates": ANY_BOOL, "skip_gates": ANY_BOOL, "backout": ANY_BOOL,
-    "key_offset": ANY_BOOL, "paired_heads": ANY_BOOL, "logit_offset": number(-math.inf, lo_open=True, hi_open=True),
-    "logit_temperature": number(0.0, lo_open=True), "mtp_tokens": integer(1),
+    "mlp_act": one_of("relu2", "gelu"), "logit_temperature": number(0.0, lo_open=True),
     "muon": ANY_BOOL, "muon_lr": LR, "muon_momentum": BETA,
     "muon_momentum_start": BETA, "muon_momentum_warmup_steps": integer(0), "ns_steps": integer(1),
-    "polar_express": ANY_BOOL, "normuon": ANY_BOOL, "normuon_beta2": BETA, "cautious_wd": ANY_BOOL,
-    "muon_cautious_wd": number(0.0), "adam_cautious_wd": number(0.0),
-    "scalar_adam_beta1": OPTIONAL_BETA, "scalar_adam_beta2": OPTIONAL_BETA,
     "adam_beta1": BETA, "adam_beta2": BETA, "adam_eps": number(0.0, lo_open=True), "head_lr": LR, "embed_lr": LR,
     "scalar_lr": LR, "matrix_adam_lr": LR, "weight_decay": number(0.0), "dtype": one_of("bf16", "fp32"),
     "fp8_head": ANY_BOOL, "attention": one_of("auto", "flex", "banded"),
@@ -423,6 +593,7 @@ FLAG_RULES: dict[str, Rule] = {
     "profile_steps": integer(0), "checkpoint_every": integer(0), "checkpoint_final": ANY_BOOL,
     "checkpoint_keep": integer(1), "resume": ANY_TEXT, "stop_after": integer(0),
     "hellaswag_every": integer(0), "hellaswag_data": ANY_TEXT, "sample_at_end": integer(0),
+    **{name: rule for technique in TECHNIQUES for name, rule in technique.flags.items()},
 }
 
 
@@ -434,35 +605,6 @@ def check_flag_ranges(args: Hyperparameters) -> None:
         value = getattr(args, name)
         if not rule.ok(value):
             raise UsageError(f"bad value {value!r} for --{name}; valid: {rule.valid}")
-
-
-def check_model_switches(args: Hyperparameters) -> None:
-    """Refuses, in one line, recipe v2's model switches that conflict with each other or with the shape."""
-    gates = [name for name in ("smear", "attn_gate", "ve_gates", "skip_gates") if getattr(args, name)]
-    conflicts = [
-        (args.ve_gates and not args.value_embeds, "--ve_gates=true gates the value embeddings, which "
-         "--value_embeds=false removes; pass --ve_gates=false or --value_embeds=true"),
-        (args.skip_gates and not args.unet_skips, "--skip_gates=true gates the U-net skips, which "
-         "--unet_skips=false removes; pass --skip_gates=false or --unet_skips=true"),
-        (args.bigram_sign and not args.bigram_vocab_size, "--bigram_sign=true signs the bigram embedding, which "
-         "--bigram_vocab_size=0 turns off; pass --bigram_sign=false or a table size"),
-        (args.bigram_vocab_size == 1, "--bigram_vocab_size=1 leaves no row besides the one kept for document "
-         "starts; pass 0 (off) or at least 2"),
-        (args.bigram_dim > args.model_dim, f"--bigram_dim={args.bigram_dim} is wider than the stream it is added "
-         f"to (--model_dim={args.model_dim}); pass at most that, or 0 for the full width"),
-        (args.paired_heads and args.n_head % 2, f"--paired_heads=true pairs heads, so --n_head={args.n_head} "
-         "must be even; pass --paired_heads=false or an even --n_head"),
-        (args.paired_heads and not any(LayerRoles.for_depth(args.n_layer, paired_heads=True).paired_heads),
-         f"--paired_heads=true pairs the short-window layers, and --n_layer={args.n_layer} has none; pass "
-         "--paired_heads=false or --n_layer=4 or more"),
-        (bool(gates) and args.model_dim < GATE_DIMS, f"--{gates[0] if gates else ''}=true reads the stream's "
-         f"first {GATE_DIMS} dims, more than --model_dim={args.model_dim}; switch the gates off or widen the model"),
-        (args.logit_offset != 0 and args.logit_softcap == 0, f"--logit_offset={args.logit_offset} shifts the "
-         "logits inside the softcap, which --logit_softcap=0 turns off; pass --logit_offset=0 or a softcap"),
-    ]
-    for conflict, reason in conflicts:
-        if conflict:
-            raise UsageError(reason)
 
 
 def check_batch_schedule(args: Hyperparameters) -> None:
@@ -500,20 +642,8 @@ def validate_args(args: Hyperparameters) -> None:
         raise UsageError(f"--value_embeds=true adds model_dim-wide tables to the values, so --model_dim="
                          f"{args.model_dim} must equal --n_head x --head_dim = {args.n_head * args.head_dim}; "
                          "change one of them or pass --value_embeds=false")
-    if args.doc_len_cap and not args.bos_align:
-        raise UsageError(f"--doc_len_cap={args.doc_len_cap} packs whole documents from their start, so it needs "
-                         "--bos_align=true (or pass --doc_len_cap=0)")
     check_batch_schedule(args)
-    if args.polar_express and args.ns_steps > len(POLAR_EXPRESS_COEFFICIENTS):
-        raise UsageError(f"--polar_express=true has {len(POLAR_EXPRESS_COEFFICIENTS)} iterations' coefficients, "
-                         f"not --ns_steps={args.ns_steps}; pass --ns_steps=5 or fewer")
-    if args.cautious_wd and args.weight_decay:
-        raise UsageError(f"--cautious_wd=true replaces the plain decay --weight_decay={args.weight_decay}; "
-                         "pass one of them")
-    if not args.muon and (args.normuon or args.polar_express):
-        raise UsageError("--normuon and --polar_express change Muon's update, and --muon=false turns Muon off; "
-                         "pass --muon=true or switch them off")
-    check_model_switches(args)
+    check_techniques(args)
     if args.resume == "auto" and not args.run_id:
         raise UsageError("--resume=auto needs --run_id=NAME: a restarted run finds its checkpoints under "
                          "log_dir/NAME (and never another run's)")
@@ -1057,6 +1187,12 @@ class FlexAttention:
 ATTENTION_BACKENDS = {"banded": BandedAttention, "flex": FlexAttention}
 
 
+def attention_with(backend, mask):
+    """One layer's attention, attend(q, k, v, scale): the backend with this layer's mask (KVCache.layer is the
+    other kind, for decoding)."""
+    return lambda q, k, v, scale: backend.attend(q, k, v, mask, scale)
+
+
 # FP8 head: e4m3 operands forward, e5m2 gradients backward, scales fixed by the recipe.
 
 def inverse_scale(scale: float, device: torch.device) -> Tensor:
@@ -1173,49 +1309,30 @@ class Rotary(nn.Module):
 
 GATE_DIMS = 12  # 2025-08-23_SparseAttnGate, 2025-09-18_Smear, 2025-12-29_VeSkipGates: gates read 12 dims
 NEUTRAL_GATE_SCALE = 2.0  # 2025-12-29_VeSkipGates: 2 * sigmoid, so a zero-initialised gate passes its input as is
-# Gate lrs as fractions of scalar_lr (0.04 = 5 x the record's Adam lr 0.008): 2025-12-29_VeSkipGates has the
-# smear gate at 0.01 x and the skip gate at 0.05 x that Adam lr, 2026-05-20_BigramsSignTrick the others at 1 x.
-GATE_LR_SCALE = {"smear_gate": 0.01 / 5, "skip_gate": 0.05 / 5, "attn_gate": 1 / 5, "ve_gate": 1 / 5}
 BIGRAM_HASH = (36313, 27191)  # 2026-01-19_BigramHashEmbedding: multipliers of the current and previous token
 BIGRAM_SIGN_ROWS = 8192  # 2026-05-20_BigramsSignTrick: random +-1 vectors, picked by (previous xor current) % 8192
 BIGRAM_LAMBDA_INIT = 0.05  # same record: every layer adds 0.05 x the bigram embedding at first
 BACKOUT_LAMBDA_INIT = 0.5  # 2025-10-04_Backout
 
 
-@dataclass(frozen=True)
-class ModelConfig:
-    """What the modules are built from: the model's share of the hyperparameters."""
-    vocab_size: int
-    n_layer: int
-    model_dim: int
-    n_head: int
-    head_dim: int
-    max_seq_len: int  # the rotary tables cover the longer of training and validation sequences
-    attn_scale: float
-    qk_norm: bool
-    zero_init: bool
-    mlp_act: str
-    value_embeds: bool
-    unet_skips: bool
-    logit_softcap: float
-    logit_temperature: float
-    logit_offset: float
-    bigram_vocab_size: int
-    bigram_dim: int
-    bigram_sign: bool
-    smear: bool
-    attn_gate: bool
-    ve_gates: bool
-    skip_gates: bool
-    backout: bool
-    key_offset: bool
-    paired_heads: bool
+# The model's share of the hyperparameters: the reference's shape and math, and every model technique's flags.
+REFERENCE_MODEL_FIELDS = ("vocab_size", "n_layer", "model_dim", "n_head", "head_dim", "attn_scale", "qk_norm",
+                          "zero_init", "mlp_act", "value_embeds", "unet_skips", "logit_softcap", "logit_temperature")
 
-    @staticmethod
-    def of(args: Hyperparameters) -> "ModelConfig":
-        names = {f.name for f in fields(ModelConfig)} - {"max_seq_len"}
-        return ModelConfig(max_seq_len=max(args.seq_len, args.val_seq_len),
-                           **{name: getattr(args, name) for name in names})
+
+def model_config_class() -> type:
+    """ModelConfig: a frozen dataclass of those Hyperparameters fields (same names and kinds), plus max_seq_len,
+    the positions the rotary tables cover (the longer of training and validation sequences)."""
+    kinds = field_types()
+    names = REFERENCE_MODEL_FIELDS + tuple(name for t in TECHNIQUES if t.part == "model" for name in t.flags)
+    cls = dataclasses.make_dataclass("ModelConfig", [(name, kinds[name].kind) for name in names]
+                                     + [("max_seq_len", int)], frozen=True)
+    cls.of = staticmethod(lambda args: cls(max_seq_len=max(args.seq_len, args.val_seq_len),
+                                           **{name: getattr(args, name) for name in names}))
+    return cls
+
+
+ModelConfig = model_config_class()
 
 
 def sigmoid_gate(x: Tensor, weight: Tensor) -> Tensor:
@@ -1260,13 +1377,11 @@ def paired_tokens(tokens: Tensor) -> Tensor:
 
 
 class CausalSelfAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, uses_value_embed: bool, backend, paired: bool = False,
-                 key_offset: bool = False):
+    def __init__(self, cfg: ModelConfig, uses_value_embed: bool, paired: bool = False, key_offset: bool = False):
         super().__init__()
         dim, hdim = cfg.model_dim, cfg.n_head * cfg.head_dim
         self.n_head, self.head_dim, self.scale, self.qk_norm = cfg.n_head, cfg.head_dim, cfg.attn_scale, cfg.qk_norm
         self.paired, self.key_offset = paired, key_offset
-        self.backend = backend  # bound here; GPT.decode swaps in its KV cache for the duration of a call
         bound = math.sqrt(3) * 0.5 / math.sqrt(dim)
         self.qkv_w = nn.Parameter(torch.empty(3, hdim, dim).uniform_(-bound, bound))  # Q, K, V kept apart for Muon
         # 2025-12-29_VeSkipGates: with the gate, the value embedding enters at the gate's weight alone (lambda 1)
@@ -1277,7 +1392,8 @@ class CausalSelfAttention(nn.Module):
         self.attn_gate = nn.Parameter(torch.zeros(cfg.n_head, GATE_DIMS)) if cfg.attn_gate else None
         self.ve_gate = nn.Parameter(torch.zeros(cfg.n_head, GATE_DIMS)) if cfg.ve_gates and uses_value_embed else None
 
-    def forward(self, x: Tensor, ve: Tensor | None, mask, offset: int = 0, doc_start: Tensor | None = None) -> Tensor:
+    def forward(self, x: Tensor, ve: Tensor | None, attend, offset: int = 0, doc_start: Tensor | None = None) -> Tensor:
+        """attend(q, k, v, scale): this layer's attention (attention_with, or KVCache.layer when decoding)."""
         B, T = x.shape[:2]
         qkv = F.linear(x, self.qkv_w.flatten(end_dim=1).type_as(x)).view(B, T, 3 * self.n_head, self.head_dim)
         q, k, v = qkv.chunk(3, dim=-2)
@@ -1292,7 +1408,7 @@ class CausalSelfAttention(nn.Module):
         q, k = self.rotary(q, offset), self.rotary(k, offset)
         if self.key_offset:
             k = offset_stationary_keys(k, doc_start)
-        y = self.backend.attend(q, k, v, mask, self.scale)
+        y = attend(q, k, v, self.scale)
         if self.paired:
             y = unpair_heads(y)
         if self.attn_gate is not None:
@@ -1312,22 +1428,22 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, roles: LayerRoles, backend):
+    def __init__(self, cfg: ModelConfig, layer: int, roles: LayerRoles):
         super().__init__()
-        self.attn = CausalSelfAttention(cfg, roles.value_embed[layer] is not None, backend,
+        self.attn = CausalSelfAttention(cfg, roles.value_embed[layer] is not None,
                                         paired=roles.paired_heads[layer], key_offset=roles.key_offset[layer]) \
             if roles.attention[layer] else None
         self.mlp = MLP(cfg)
         self.lambdas = nn.Parameter(torch.tensor([1.0, 0.0]))  # mix of the stream and the embedding x0
         self.bigram_lambda = nn.Parameter(torch.tensor([BIGRAM_LAMBDA_INIT])) if cfg.bigram_vocab_size else None
 
-    def forward(self, x: Tensor, x0: Tensor, ve: Tensor | None, mask, offset: int = 0,
+    def forward(self, x: Tensor, x0: Tensor, ve: Tensor | None, attend, offset: int = 0,
                 doc_start: Tensor | None = None, bigram: Tensor | None = None) -> Tensor:
         x = self.lambdas[0] * x + self.lambdas[1] * x0
         if bigram is not None:
             x = x + self.bigram_lambda[0] * bigram  # [0]: a 0-dim factor keeps x in bf16
         if self.attn is not None:
-            x = x + self.attn(rms_norm(x), ve, mask, offset, doc_start)
+            x = x + self.attn(rms_norm(x), ve, attend, offset, doc_start)
         return x + self.mlp(rms_norm(x))
 
 
@@ -1374,17 +1490,16 @@ def smear(x: Tensor, gate: Tensor, doc_start: Tensor) -> Tensor:
 
 
 class GPT(nn.Module):
-    def __init__(self, args: Hyperparameters, attention: str = "banded", fp8_head: bool = False,
-                 compile_loss: bool = False, chunked_loss: bool = False):
+    """The model of a ModelConfig. What the machine decides comes in from build_model: the attention backend
+    (ATTENTION_BACKENDS), the FP8 head, and the loss path (LossPath); the tools' KV cache comes with decode()."""
+
+    def __init__(self, cfg: ModelConfig, attention: str = "banded", fp8_head: bool = False,
+                 loss: "LossPath | None" = None):
         super().__init__()
-        self.loss_fn = torch.compile(softcapped_cross_entropy, dynamic=False) if compile_loss \
-            else softcapped_cross_entropy
-        self.chunk_loss_fn = torch.compile(softcapped_cross_entropy_chunk, dynamic=False) if compile_loss \
-            else softcapped_cross_entropy_chunk
-        if chunked_loss and fp8_head:
+        self.loss = loss = LossPath() if loss is None else loss
+        if loss.chunked and fp8_head:
             raise ValueError("the chunked head + loss computes the head in the activation dtype, not FP8")
-        self.chunked_loss = chunked_loss
-        cfg = self.config = ModelConfig.of(args)
+        self.config = cfg
         self.roles = LayerRoles.for_depth(cfg.n_layer, cfg.value_embeds, cfg.paired_heads, cfg.key_offset,
                                           cfg.backout)
         self.backend = ATTENTION_BACKENDS[attention]
@@ -1399,7 +1514,7 @@ class GPT(nn.Module):
             nn.init.zeros_(self.bigram_embed.weight)  # the record: the table starts empty
         self.register_buffer("bigram_signs", bigram_sign_table(bigram_dim) if cfg.bigram_sign else None,
                              persistent=False)
-        self.blocks = nn.ModuleList(Block(cfg, i, self.roles, self.backend) for i in range(cfg.n_layer))
+        self.blocks = nn.ModuleList(Block(cfg, i, self.roles) for i in range(cfg.n_layer))
         self.skip_weights = nn.Parameter(torch.ones(self.roles.n_encoder)) if cfg.unet_skips else None
         self.skip_gate = nn.Parameter(torch.zeros(self.roles.n_encoder, GATE_DIMS)) if cfg.skip_gates else None
         self.smear_gate = nn.Parameter(torch.zeros(1, GATE_DIMS)) if cfg.smear else None
@@ -1419,12 +1534,12 @@ class GPT(nn.Module):
         if mtp_weights is not None:
             targets = multi_token_targets(targets, mtp_weights.numel())
         # Validation (eval, no grad) too: its 262K-token sequence would otherwise hold 26 GB of bf16 logits.
-        if self.chunked_loss or not (self.training or torch.is_grad_enabled()):
+        if self.loss.chunked or not (self.training or torch.is_grad_enabled()):
             return chunked_head_loss(self.final_hidden(tokens, windows)[0], self.lm_head.weight, targets,
-                                     self.softcap, self.chunk_loss_fn, mtp_weights)
+                                     self.softcap, self.loss.chunk, mtp_weights)
         if mtp_weights is not None:
             return multi_token_cross_entropy(self.logits(tokens, windows), targets, mtp_weights, self.softcap)
-        return self.loss_fn(self.logits(tokens, windows), targets, self.softcap)
+        return self.loss.full(self.logits(tokens, windows), targets, self.softcap)
 
     def logits(self, tokens: Tensor, windows: Tensor) -> Tensor:
         """Head outputs (1, T, padded vocab) before the softcap: the forward pass without the loss."""
@@ -1432,17 +1547,18 @@ class GPT(nn.Module):
 
     def final_hidden(self, tokens: Tensor, windows: Tensor) -> Tensor:
         """The normed residual stream (1, T, model_dim) the head reads."""
-        return rms_norm(self.trunk(tokens, self.layer_masks(tokens, windows)))
+        return rms_norm(self.trunk(tokens, self.layer_attention(tokens, windows)))
 
-    def layer_masks(self, tokens: Tensor, windows: Tensor) -> list:
-        """Each layer's attention mask: its window, over paired positions for paired-head layers."""
+    def layer_attention(self, tokens: Tensor, windows: Tensor) -> list:
+        """Each layer's attention: the backend with the layer's window mask, over paired positions for
+        paired-head layers (each kind of mask built once)."""
         kinds = list(zip(self.roles.long_window, self.roles.paired_heads))
         masks = {(is_long, paired): self.backend.build_mask(paired_tokens(tokens) if paired else tokens,
                                                             windows[0] if is_long else windows[1])
                  for is_long, paired in dict.fromkeys(kinds)}
-        return [masks[kind] for kind in kinds]
+        return [attention_with(self.backend, masks[kind]) for kind in kinds]
 
-    def trunk(self, tokens: Tensor, layer_masks: list, offset: int = 0) -> Tensor:
+    def trunk(self, tokens: Tensor, layer_attention: list, offset: int = 0) -> Tensor:
         """Embeddings through every block (value embeddings, x0 mixing, U-net skips): the residual stream."""
         doc_start = tokens == EOT_TOKEN
         ve = [emb(tokens)[None] for emb in self.value_embeds]
@@ -1466,7 +1582,7 @@ class GPT(nn.Module):
                     else self.skip_weights[j] * NEUTRAL_GATE_SCALE * sigmoid_gate(x0, self.skip_gate[j:j + 1])
                 x = x + weight * skips.pop()
             ve_i = self.roles.value_embed[i]
-            x = block(x, x0, None if ve_i is None else ve[ve_i], layer_masks[i], offset, doc_start, bigram)
+            x = block(x, x0, None if ve_i is None else ve[ve_i], layer_attention[i], offset, doc_start, bigram)
             if self.unet and i < self.roles.n_encoder:
                 skips.append(x)
         if backout is not None:
@@ -1475,10 +1591,9 @@ class GPT(nn.Module):
 
     @property
     def decodes_from_history(self) -> bool:
-        """Whether a layer reads the token before (smear, bigrams, key offset) or interleaves positions (paired
-        heads): the KV cache cannot extend those, so decode() runs the whole history instead."""
-        cfg = self.config
-        return bool(cfg.smear or cfg.bigram_vocab_size or any(self.roles.key_offset) or any(self.roles.paired_heads))
+        """Whether a technique reads the token before or interleaves positions (Technique.reads_previous_token):
+        the KV cache cannot extend those, so decode() runs the whole history instead."""
+        return any(t.is_on(self.config) for t in TECHNIQUES if t.reads_previous_token)
 
     @torch.no_grad()
     def decode(self, tokens: Tensor, cache: "KVCache") -> Tensor:
@@ -1492,14 +1607,7 @@ class GPT(nn.Module):
             history = cache.tokens[:cache.length]
             padded = F.pad(history, (0, -cache.length % BLOCK_SIZE), value=EOT_TOKEN)  # later tokens: no effect
             return self.logits(padded, cache.window_pair)[0, cache.length - 1]
-        attentions = [block.attn for block in self.blocks if block.attn is not None]
-        for attn in attentions:
-            attn.backend = cache
-        try:
-            x = self.trunk(tokens, list(range(len(self.blocks))), offset=start)
-        finally:
-            for attn in attentions:
-                attn.backend = self.backend
+        x = self.trunk(tokens, [cache.layer(i) for i in range(len(self.blocks))], offset=start)
         return self.lm_head(rms_norm(x[0, -1]))
 
     @property
@@ -1509,11 +1617,11 @@ class GPT(nn.Module):
 
 
 class KVCache:
-    """Keys and values of every attention layer for one growing sequence: the attention backend of GPT.decode.
+    """Keys and values of every attention layer for one growing sequence: GPT.decode's attention.
 
-    Stands in for BandedAttention with the layer index as its "mask": new keys and values are stored at
-    their absolute positions, and the new queries attend to the cached ones that attention_allowed admits
-    (causal, same document, within the layer's long or short window), exactly as in the full forward.
+    Each layer's attention (layer()) stores its new keys and values at their absolute positions, and the new
+    queries attend to the cached ones that attention_allowed admits (causal, same document, within the
+    layer's long or short window), exactly as in the full forward.
     """
 
     def __init__(self, model: GPT, windows: Tensor, max_len: int | None = None):
@@ -1541,6 +1649,10 @@ class KVCache:
         self.tokens[self.length:self.length + n] = tokens
         self.start, self.length = self.length, self.length + n
         return self.start
+
+    def layer(self, layer: int):
+        """Layer's attention, attend(q, k, v, scale), reading and extending this cache."""
+        return lambda q, k, v, scale: self.attend(q, k, v, layer, scale)
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, layer: int, scale: float) -> Tensor:
         if self.keys[layer] is None:
@@ -1688,6 +1800,21 @@ def chunked_head_loss(h: Tensor, weight: Tensor, targets: Tensor, softcap: Softc
     return (totals / counts * weights).sum()
 
 
+@dataclass(frozen=True)
+class LossPath:
+    """How GPT turns the head's output into the loss: the softcapped cross-entropy kernels (compiled or not),
+    and whether training too goes through the chunked head, which never holds all fp32 logits (the CPU's
+    choice: Runtime.chunked_loss). Validation always does."""
+    full: typing.Callable = softcapped_cross_entropy
+    chunk: typing.Callable = softcapped_cross_entropy_chunk
+    chunked: bool = False
+
+    @staticmethod
+    def compiled(chunked: bool) -> "LossPath":
+        return LossPath(torch.compile(softcapped_cross_entropy, dynamic=False),
+                        torch.compile(softcapped_cross_entropy_chunk, dynamic=False), chunked)
+
+
 def check_model_inputs(tokens: Tensor, targets: Tensor, windows: Tensor, vocab_size: int) -> None:
     """Eager-mode guards that would otherwise surface as a wrong mask, a trained padding logit or a
     device-side assert. Targets may hold -100, cross_entropy's ignore index. The value checks run on CPU
@@ -1709,8 +1836,8 @@ def check_model_inputs(tokens: Tensor, targets: Tensor, windows: Tensor, vocab_s
 
 def build_model(args: Hyperparameters, rt: Runtime) -> GPT:
     """The model on its device: embeddings in the activation dtype, matrices and scalars in fp32."""
-    model = GPT(args, attention=rt.attention, fp8_head=rt.fp8_head, compile_loss=rt.compile == "loss",
-                chunked_loss=rt.chunked_loss).to(rt.device)
+    loss = LossPath.compiled(rt.chunked_loss) if rt.compile == "loss" else LossPath(chunked=rt.chunked_loss)
+    model = GPT(ModelConfig.of(args), attention=rt.attention, fp8_head=rt.fp8_head, loss=loss).to(rt.device)
     if rt.fp8_head and rt.compile == "model":
         compile_fp8_kernels()
     if rt.compile_attention:
@@ -2091,9 +2218,10 @@ class Optimizers:
 def build_optimizers(model: GPT, args: Hyperparameters, rank: int, world_size: int,
                      compiled: bool = False) -> Optimizers:
     """Muon for matrices inside the blocks; Adam for head, embeddings and scalars (and matrices without Muon).
-    The gates' 12-wide weights count as scalars, at GATE_LR_SCALE of their lr (2025-12-31_GatesToCompiledAdam
-    moved them to Adam)."""
-    gates = {p: GATE_LR_SCALE[name.rsplit(".", 1)[-1]] for name, p in model.named_parameters() if name.endswith("_gate")}
+    The gates' 12-wide weights count as scalars, at their technique's gate_lrs share of the scalar lr
+    (2025-12-31_GatesToCompiledAdam moved them to Adam)."""
+    gate_lrs = {name: scale for technique in TECHNIQUES for name, scale in technique.gate_lrs.items()}
+    gates = {p: gate_lrs[name.rsplit(".", 1)[-1]] for name, p in model.named_parameters() if name.endswith("_gate")}
     hidden = [p for p in model.blocks.parameters() if p.ndim >= 2 and p not in gates]
     embeds = [model.embed.weight, *(e.weight for e in model.value_embeds)]
     embeds += [model.bigram_embed.weight] if model.bigram_embed is not None else []
@@ -2450,7 +2578,8 @@ def make_profiler(args: Hyperparameters, rt: Runtime, trace_path: Path):
 # Checkpoints: exact resume, written atomically, verified on load, never of a diverged state
 
 MODEL_SHAPE_FIELDS = ("vocab_size", "n_layer", "model_dim", "n_head", "head_dim", "value_embeds", "unet_skips")
-OPTIMIZER_STRUCTURE_FIELDS = ("muon", "normuon")  # which matrices Muon owns, and what state it keeps for them
+# which matrices Muon owns, and what state it keeps for them
+OPTIMIZER_STRUCTURE_FIELDS = ("muon",) + tuple(t.switch for t in TECHNIQUES if t.optimizer_state)
 CHECKPOINT_META = "checkpoint.json"
 # A torch.distributed.checkpoint folder that any world size resumes; earlier ones had a rank<r>.pt per rank.
 CHECKPOINT_FORMAT = "dcp-1"
@@ -2988,6 +3117,263 @@ SIGNALS = StopSignal()  # installed by train() on its first line
 
 
 # -----------------------------------------------------------------------------
+# Beyond the loss: samples and HellaSwag (--sample_at_end, --hellaswag_every; tools/sample.py and
+# tools/hellaswag.py run the same code on a saved model)
+
+def gpt2_tokenizer():
+    """tiktoken's GPT-2 encoding (tiktoken downloads it once, then reads it from its cache)."""
+    try:
+        import tiktoken  # an optional extra: only the downstream checks need it
+    except ImportError:
+        raise UsageError("the GPT-2 tokenizer needs tiktoken: pip install -r requirements-extras.txt") from None
+    try:
+        return tiktoken.get_encoding("gpt2")
+    except Exception as e:  # network and cache errors of tiktoken's one-time download take many forms
+        raise UsageError(f"cannot load the GPT-2 tokenizer ({type(e).__name__}): tiktoken downloads it once; "
+                         "connect to the internet, or set TIKTOKEN_CACHE_DIR to a folder holding its cache") from None
+
+
+def next_token(logits: Tensor, vocab_size: int, softcap: Softcap, temperature: float, top_k: int,
+               generator: torch.Generator | None) -> int:
+    """Greedy at temperature 0, else a draw from the softcapped distribution (top_k > 0 keeps the k likeliest).
+    The head's padding rows beyond the vocabulary are never drawn."""
+    logits = apply_softcap(logits[:vocab_size], softcap)
+    if temperature <= 0:
+        return int(logits.argmax())
+    logits = logits / temperature
+    if 0 < top_k < vocab_size:
+        kth = torch.topk(logits, top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    return int(torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator))
+
+
+def padded_to_blocks(tokens: list[int], device: torch.device) -> Tensor:
+    """tokens followed by EOTs up to whole 128-token blocks (causal: the padding changes no earlier logit)."""
+    return torch.tensor(tokens + [EOT_TOKEN] * (-len(tokens) % BLOCK_SIZE), device=device)
+
+
+@torch.no_grad()
+def generate(model: GPT, prompt: list[int], max_new_tokens: int, window_blocks: int, temperature: float = 1.0,
+             top_k: int = 0, generator: torch.Generator | None = None, kv_cache: bool = True) -> list[int]:
+    """New tokens after prompt (which fits the context), stopping before an EOT the model emits. kv_cache=False
+    runs the ordinary forward over the whole prefix for every token: the reference the cache is tested against."""
+    device = model.embed.weight.device
+    out: list[int] = []
+    if kv_cache:
+        cache = KVCache(model, window_tensor(window_blocks), max_len=len(prompt) + max_new_tokens)
+        logits = model.decode(torch.tensor(prompt, device=device), cache)
+    window = window_tensor(window_blocks, device)
+    for i in range(max_new_tokens):
+        if not kv_cache:
+            sequence = prompt + out
+            logits = model.logits(padded_to_blocks(sequence, device), window)[0, len(sequence) - 1]
+        token = next_token(logits, model.vocab_size, model.softcap, temperature, top_k, generator)
+        if token == EOT_TOKEN:
+            break
+        out.append(token)
+        if kv_cache and i + 1 < max_new_tokens:
+            logits = model.decode(torch.tensor([token], device=device), cache)
+    return out
+
+
+END_OF_RUN_TOKENS = 64  # --sample_at_end: short samples from a document start ...
+END_OF_RUN_TOP_K = 50  # ... at temperature 1 among the 50 likeliest tokens
+
+
+def end_of_run_samples(model: GPT, n: int, window_blocks: int, seed: int) -> list[str]:
+    """--sample_at_end: n short unconditional samples, drawn with a generator of their own."""
+    enc = gpt2_tokenizer()
+    generator = torch.Generator(device=model.embed.weight.device).manual_seed(seed)
+    return [enc.decode(generate(model, [EOT_TOKEN], END_OF_RUN_TOKENS, window_blocks, 1.0, END_OF_RUN_TOP_K,
+                                generator)) for _ in range(n)]
+
+
+HELLASWAG_COMMIT = "a29ff8e9a04bba4bd6588223785ce105328adc57"  # github.com/rowanz/hellaswag
+HELLASWAG_URL = f"https://raw.githubusercontent.com/rowanz/hellaswag/{HELLASWAG_COMMIT}/data/hellaswag_val.jsonl"
+HELLASWAG_BLOB_SHA1 = "0f5ee25d72216f12317d5d8a7b92deafa423d81e"  # git's id of hellaswag_val.jsonl at that commit
+HELLASWAG_FILE = "hellaswag_val.jsonl"
+HELLASWAG_FETCH_HINT = (f"fetch it by hand: curl -L -o {HELLASWAG_FILE} {HELLASWAG_URL}, then pass it as "
+                        "--hellaswag_data (tools/hellaswag.py: --data)")
+HELLASWAG_PACK_TOKENS = 1024  # candidates are scored packed into sequences of at most this many tokens
+
+
+def git_blob_id(data: bytes) -> str:
+    """git's id of a file's content, how GitHub names the pinned HellaSwag file: sha1 of b"blob <size>\\0" + data."""
+    return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+
+
+def download_cache_dir() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "gpt2-speedrun"
+
+
+def download_hellaswag(url: str, target: Path, expected: str) -> None:
+    """Fetches url into target, atomically, only if its content has the expected git blob id."""
+    import urllib.request  # only the first HellaSwag run downloads
+    try:
+        with urllib.request.urlopen(url, timeout=60) as response:
+            data = response.read()
+    except Exception as e:  # DNS, refused connections, HTTP errors, timeouts
+        raise UsageError(f"cannot download the HellaSwag validation file ({type(e).__name__}: "
+                         f"{' '.join(str(e).split())[:120]}); {HELLASWAG_FETCH_HINT}") from None
+    if git_blob_id(data) != expected:
+        raise UsageError(f"the downloaded HellaSwag file has git blob id {git_blob_id(data)}, expected {expected}: "
+                         f"corrupt or changed; {HELLASWAG_FETCH_HINT}")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    part = target.with_name(f"{target.name}.part{os.getpid()}")  # ranks of one node may download at once
+    part.write_bytes(data)
+    os.replace(part, target)
+
+
+def cached_hellaswag_file(cache_dir: Path | None = None, url: str = HELLASWAG_URL,
+                          expected: str = HELLASWAG_BLOB_SHA1) -> Path:
+    """The pinned validation file: downloaded on first use, verified on every use."""
+    path = (cache_dir or download_cache_dir()) / HELLASWAG_FILE
+    if path.is_file():
+        found = git_blob_id(path.read_bytes())
+        if found == expected:
+            return path
+        print(f"warning: cached {path} has git blob id {found}, expected {expected}; downloading it again",
+              file=sys.stderr)
+    download_hellaswag(url, path, expected)
+    return path
+
+
+@dataclass
+class HellaSwagExample:
+    context: str
+    endings: list[str]
+    label: int
+
+    @property
+    def well_formed(self) -> bool:  # endings a list of 4 strings: a 4-letter string would pass as 4 endings
+        return isinstance(self.context, str) and isinstance(self.endings, list) and len(self.endings) == 4 \
+            and all(isinstance(e, str) for e in self.endings) and 0 <= self.label < 4
+
+
+def read_hellaswag(path: Path) -> list[HellaSwagExample]:
+    """The validation split's JSONL: one object per line with "ctx", four "endings" and the "label" index."""
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except FileNotFoundError:
+        raise UsageError(f"HellaSwag file {path} does not exist; {HELLASWAG_FETCH_HINT}") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise UsageError(f"cannot read HellaSwag file {path} ({type(e).__name__}); {HELLASWAG_FETCH_HINT}") from None
+    examples = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            example = HellaSwagExample(row["ctx"], row["endings"], int(row["label"]))
+            ok = example.well_formed
+        except (ValueError, KeyError, TypeError):
+            ok = False
+        if not ok:
+            raise UsageError(f"line {number} of {path} is not a HellaSwag example (needs ctx, 4 endings and a "
+                             f"label 0-3): corrupt or another format; {HELLASWAG_FETCH_HINT}")
+        examples.append(example)
+    if not examples:
+        raise UsageError(f"HellaSwag file {path} holds no examples; {HELLASWAG_FETCH_HINT}")
+    return examples
+
+
+@dataclass
+class Candidate:
+    tokens: list[int]  # EOT, context, ending
+    ending_start: int  # index of the ending's first token
+
+
+def candidates(example: HellaSwagExample, enc, max_tokens: int) -> list[Candidate]:
+    """The four scored sequences; a context too long for max_tokens loses its oldest tokens."""
+    context = enc.encode_ordinary(example.context)
+    out = []
+    for ending in example.endings:
+        end = enc.encode_ordinary(" " + ending)[:max_tokens - 2]
+        kept = context[max(0, len(context) - (max_tokens - 1 - len(end))):]
+        out.append(Candidate([EOT_TOKEN] + kept + end, 1 + len(kept)))
+    return out
+
+
+def tokenized_hellaswag(examples: list[HellaSwagExample], enc, max_tokens: int) -> list[tuple[list[Candidate], int]]:
+    return [(candidates(e, enc, max_tokens), e.label) for e in examples]
+
+
+def load_hellaswag(data: str, max_tokens: int, cache_dir: Path | None = None) -> tuple[list, Path]:
+    """Tokenized examples of a local file (data), or of the pinned validation file when data is empty."""
+    path = Path(data) if data else cached_hellaswag_file(cache_dir)
+    return tokenized_hellaswag(read_hellaswag(path), gpt2_tokenizer(), max_tokens), path
+
+
+def candidate_packs(rows: list[Candidate], pack_tokens: int):
+    """Candidates laid out in sequences of pack_tokens, each starting on a 128-token block boundary.
+
+    Every candidate starts with EOT, so the model's document mask keeps them apart, and on a block
+    boundary its sliding windows cover what they would at position 0. Yields (tokens, [(index, start)]).
+    """
+    layout, used = [], 0
+    for index, row in enumerate(rows):
+        size = next_multiple(len(row.tokens), BLOCK_SIZE)
+        if layout and used + size > pack_tokens:
+            yield layout, used
+            layout, used = [], 0
+        layout.append((index, used))
+        used += size
+    if layout:
+        yield layout, used
+
+
+@torch.no_grad()
+def ending_losses(model: GPT, rows: list[Candidate], window: Tensor, pack_tokens: int) -> list[Tensor]:
+    """Per-token losses (fp32) of each candidate's ending, in order."""
+    device = model.embed.weight.device
+    out: list[Tensor | None] = [None] * len(rows)
+    for layout, used in candidate_packs(rows, pack_tokens):
+        sequence = torch.full((used,), EOT_TOKEN, dtype=torch.int64)
+        for index, start in layout:
+            sequence[start:start + len(rows[index].tokens)] = torch.tensor(rows[index].tokens)
+        sequence = sequence.to(device)
+        logits = apply_softcap(model.logits(sequence, window)[0], model.softcap)
+        losses = F.cross_entropy(logits[:-1], sequence[1:], reduction="none")  # losses[p]: token p + 1
+        for index, start in layout:
+            row = rows[index]
+            out[index] = losses[start + row.ending_start - 1:start + len(row.tokens) - 1]
+    return out
+
+
+@dataclass
+class HellaSwagScore:
+    examples: int
+    correct: int  # acc: lowest summed ending loss
+    correct_norm: int  # acc_norm: lowest mean ending loss
+    predictions: list[tuple[int, int]]  # (acc choice, acc_norm choice) per example
+
+    @property
+    def acc(self) -> float:
+        return self.correct / max(self.examples, 1)
+
+    @property
+    def acc_norm(self) -> float:
+        return self.correct_norm / max(self.examples, 1)
+
+
+def hellaswag_score(model: GPT, items: list[tuple[list[Candidate], int]], window_blocks: int,
+                    pack_tokens: int = HELLASWAG_PACK_TOKENS) -> HellaSwagScore:
+    """acc and acc_norm over tokenized examples (ties go to the first ending)."""
+    pack_tokens = min(pack_tokens, model.context_len)
+    window = window_tensor(window_blocks, model.embed.weight.device)
+    losses = ending_losses(model, [row for rows, _ in items for row in rows], window, pack_tokens)
+    predictions, correct, correct_norm = [], 0, 0
+    for i, (_, label) in enumerate(items):
+        mine = losses[4 * i:4 * i + 4]
+        sums, means = torch.stack([l.sum() for l in mine]), torch.stack([l.mean() for l in mine])
+        choice = (int(sums.argmin()), int(means.argmin()))
+        predictions.append(choice)
+        correct += choice[0] == label
+        correct_norm += choice[1] == label
+    return HellaSwagScore(len(items), correct, correct_norm, predictions)
+
+
+# -----------------------------------------------------------------------------
 # Training loop
 
 @torch.no_grad()
@@ -3005,25 +3391,22 @@ def evaluate(model, val_seqs: list[np.ndarray], window: Tensor, rt: Runtime) -> 
 
 
 def prepare_downstream(args: Hyperparameters, rt: Runtime, context_len: int) -> list | None:
-    """What --hellaswag_every and --sample_at_end need from tools/ (the tokenizer, the HellaSwag file),
-    loaded before training so that a missing piece stops the run at start-up. Returns this rank's share
-    of the tokenized HellaSwag examples."""
+    """What --hellaswag_every and --sample_at_end need (the tokenizer, the HellaSwag file), loaded before
+    training so that a missing piece stops the run at start-up. Returns this rank's share of the tokenized
+    HellaSwag examples."""
     if args.sample_at_end > 0:
-        from tools.loading import gpt2_tokenizer  # tools/ import this file, so they are imported late
         gpt2_tokenizer()
     if args.hellaswag_every <= 0:
         return None
-    from tools import hellaswag
-    items, _ = hellaswag.load_items(args.hellaswag_data, min(hellaswag.PACK_TOKENS, context_len))
+    items, _ = load_hellaswag(args.hellaswag_data, min(HELLASWAG_PACK_TOKENS, context_len))
     return items[rt.rank::rt.world_size]
 
 
 @torch.no_grad()
 def hellaswag_accuracy(model: GPT, items: list, window: Tensor, rt: Runtime) -> tuple[float, float, int]:
     """(acc, acc_norm, examples) over every rank's share, the counts summed like evaluate()'s losses."""
-    from tools import hellaswag
     model.eval()
-    result = hellaswag.score(model, items, int(window[0]))
+    result = hellaswag_score(model, items, int(window[0]))
     counts = torch.tensor([result.correct, result.correct_norm, result.examples], dtype=torch.float64,
                           device=rt.device)
     if rt.world_size > 1:
@@ -3035,7 +3418,6 @@ def hellaswag_accuracy(model: GPT, items: list, window: Tensor, rt: Runtime) -> 
 
 def log_samples(model: GPT, args: Hyperparameters, window: Tensor, log: RunLog) -> list[str]:
     """--sample_at_end: short samples from the final model, one JSON-quoted line each."""
-    from tools.sample import end_of_run_samples
     model.eval()
     texts = end_of_run_samples(model, args.sample_at_end, int(window[0]), args.seed)
     model.train()
@@ -3088,9 +3470,8 @@ def write_log_header(log: RunLog, args: Hyperparameters, rt: Runtime, batches: B
         log.write(line, echo=False)
     log.write(f"run {run_id}: preset {args.preset}, {rt.world_size} rank(s) x {accum} micro-step(s), "
               f"{device_name(rt)}, attention {rt.attention}, fp8 head {rt.fp8_head}, compile {rt.compile}")
-    if args.recipe == "v2" and args.preset == "cpu" and args.mtp_tokens == 1 and args.logit_offset == 0:
-        log.write("recipe v2 on the cpu preset leaves out the logit rescale and multi-token prediction, which cost "
-                  "loss at this scale (README, Recipes); --logit_softcap=23 --logit_offset=5 --mtp_tokens=3 adds them")
+    if left_out_line(args):
+        log.write(left_out_line(args))
 
 
 def write_summary(path: Path, summary: dict, log: RunLog) -> None:
@@ -3442,5 +3823,4 @@ def end_distributed() -> None:
 
 
 if __name__ == "__main__":
-    sys.modules.setdefault("train_gpt", sys.modules[__name__])  # tools/ imported by the trainer share this module
     sys.exit(main())

@@ -45,6 +45,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 TRAINER = REPO / "train_gpt.py"
 sys.path.insert(0, str(REPO))
+import train_gpt as T  # noqa: E402  (its TECHNIQUES name the v2 variants; its parser checks every override)
 from records.read_records import mean_std  # noqa: E402  (one mean and sample std for every table here)
 
 # name -> train_gpt.py overrides. Order is the table's order.
@@ -70,31 +71,35 @@ REFERENCE_NOTE = ("baseline = plain GPT-2-style AdamW: no Muon (AdamW at matrix_
 # Recipe v2's optimizer, data and schedule half (issue 13), each technique removed in turn. Every variant
 # trains the same token budget (num_iterations x batch_tokens): the batch schedule's smaller early steps
 # buy it more steps (run_specs). The reference row is the reference suite's "full" recipe.
-# Recipe v2's model half (issue 14), each technique's switches back at the reference's values.
-V2_MODEL_TECHNIQUES: dict[str, list[str]] = {
-    "bigram": ["--bigram_vocab_size=0", "--bigram_sign=false"],
-    "smear": ["--smear=false"],
-    "attn_gate": ["--attn_gate=false"],
-    "ve_skip_gates": ["--ve_gates=false", "--skip_gates=false"],
-    "backout": ["--backout=false"],
-    "key_offset": ["--key_offset=false"],
-    "logit_rescale": ["--logit_softcap=30", "--logit_offset=0"],
-    "mtp": ["--mtp_tokens=1"],
-    "paired_heads": ["--paired_heads=false"],
-}
-V2_MODEL_OFF = [flag for flags in V2_MODEL_TECHNIQUES.values() for flag in flags]
+# Every variant below is derived from train_gpt.TECHNIQUES: "without X" sets X's flags back to the reference's
+# values (Technique.off), "with X" to the records' (its speedrun v2 values).
+
+
+def flags(values: dict[str, object]) -> list[str]:
+    return [f"--{name}={T.flag_text(value)}" for name, value in values.items()]
+
+
+def without(*names: str) -> list[str]:
+    return [flag for t in T.TECHNIQUES if t.name in names for flag in flags(t.off("cpu"))]
+
+
+def put_back(name: str) -> list[str]:
+    return flags(next(t for t in T.TECHNIQUES if t.name == name).v2["speedrun"])
+
+
+V2_MODEL_TECHNIQUES = [t.name for t in T.TECHNIQUES if t.part in ("model", "loss")]  # part 2 of v2 (issue 14)
 V2_PART1 = "v2_part1"
 # --recipe=v2 now also has the model half; the shape is the cpu v2's when this suite ran (1024-token sequences,
 # 2048 -> 3072 -> 4096 tokens), so that its committed results stay reproducible
-PART1 = ["--recipe=v2", *V2_MODEL_OFF, "--seq_len=1024", "--window_final_tokens=1024", "--batch_schedule=1/2,3/4,1"]
+# (the batch schedule's own flag alone, so that its cooldown stayed the v2's 0.55 as when the suite ran)
+PART1 = ["--recipe=v2", *without(*V2_MODEL_TECHNIQUES), "--seq_len=1024", "--window_final_tokens=1024",
+         "--batch_schedule=1/2,3/4,1"]
 V2_PART1_VARIANTS: dict[str, list[str]] = {
     "reference": [],
     V2_PART1: PART1,
     "v2_part1_no_batch_schedule": [*PART1, "--batch_schedule="],
-    "v2_part1_no_polar_express": [*PART1, "--polar_express=false"],
-    "v2_part1_no_normuon": [*PART1, "--normuon=false"],
-    "v2_part1_no_cautious_wd": [*PART1, "--cautious_wd=false"],
-    "v2_part1_no_smoothed_scalars": [*PART1, "--scalar_adam_beta1=none", "--scalar_adam_beta2=none"],
+    **{f"v2_part1_no_{name}": [*PART1, *without(name)]
+       for name in ("polar_express", "normuon", "cautious_wd", "smoothed_scalars")},
 }
 V2_PART1_NOTE = ("v2_part1 = --recipe=v2 on the cpu preset: Polar Express, NorMuon, cautious weight decay "
                  "(Muon and Adam), scalar Adam betas (0.9, 0.99), and the batch ramp 2048 -> 3072 -> 4096 tokens "
@@ -108,13 +113,21 @@ V2 = "v2"
 # The cpu v2's own batch (RECIPES["v2"]["cpu"]: 512-token sequences, 2048 -> 4096 -> 6144 tokens); the suite's
 # common --batch_tokens sets only the token budget (num_iterations x batch_tokens).
 V2_CPU = ["--recipe=v2", "--batch_tokens=6144"]
+# The techniques the cpu v2 leaves out for what they cost at this scale, each put back (document alignment is
+# left out for the sample's long documents, not for a cost). Suite v2_each takes each one of the rest out.
+LEFT_OUT_FOR_COST = [t.name for t in T.TECHNIQUES if "cpu" in t.left_out and t.part != "data"]
 V2_VARIANTS: dict[str, list[str]] = {
     "reference": [],
     V2: V2_CPU,
-    # the two techniques the cpu v2 leaves out, each put back: what they cost at this scale
-    "v2_with_logit_rescale": [*V2_CPU, "--logit_softcap=23", "--logit_offset=5"],
-    "v2_with_mtp": [*V2_CPU, "--mtp_tokens=3"],
+    **{f"v2_with_{name}": [*V2_CPU, *put_back(name)] for name in LEFT_OUT_FOR_COST},
 }
+V2_EACH_VARIANTS: dict[str, list[str]] = {
+    "reference": [],
+    V2: V2_CPU,
+    **{f"v2_without_{t.name}": [*V2_CPU, *without(t.name)] for t in T.TECHNIQUES if "cpu" in t.v2},
+}
+V2_EACH_NOTE = ("v2 = --recipe=v2 on the cpu preset (see the v2 suite); v2_without_X sets technique X's flags back "
+                "to the reference recipe's values (train_gpt.TECHNIQUES). Every variant trains the same tokens.")
 V2_NOTE = ("v2 = --recipe=v2 on the cpu preset: part 1 (the v2_part1 suite: Polar Express, NorMuon, cautious weight "
            "decay, smoothed scalar betas) with the record's batch ramp in 512-token sequences, 2048 -> 4096 -> 6144 "
            "tokens (windows up to 512 tokens), and part 2, the model: a signed bigram hash embedding, smear, "
@@ -139,6 +152,7 @@ SUITES = {
     "reference": Suite(VARIANTS, FULL, BASELINE, REFERENCE_NOTE, "bench/results"),
     "v2_part1": Suite(V2_PART1_VARIANTS, V2_PART1, "reference", V2_PART1_NOTE, "bench/results/v2_part1"),
     "v2": Suite(V2_VARIANTS, V2, "reference", V2_NOTE, "bench/results/v2"),
+    "v2_each": Suite(V2_EACH_VARIANTS, V2, "reference", V2_EACH_NOTE, "bench/results/v2_each"),
 }
 
 # Defaults big enough to tell techniques apart (at 80K tokens per run the variants differed by less
@@ -318,16 +332,9 @@ def run_specs(variants: list[str], seeds: int, num_iterations: int, val_every: i
     return specs
 
 
-def trainer():
-    sys.path.insert(0, str(REPO))
-    import train_gpt
-    return train_gpt
-
-
 def equal_budget_steps(args: list[str], budget: int) -> int:
     """The step count whose batch schedule trains closest to `budget` tokens (fewer steps on a tie):
     --num_iterations for a constant batch, more steps for a schedule that starts smaller."""
-    T = trainer()
     parsed = T.parse_args(args, False)
 
     def tokens(steps: int) -> int:
@@ -340,8 +347,7 @@ def equal_budget_steps(args: list[str], budget: int) -> int:
 
 def expected_hyperparameters(spec: RunSpec) -> dict:
     """What the run's summary must record for --resume-existing to reuse it."""
-    train_gpt = trainer()
-    parsed = train_gpt.parse_args([a for a in spec.args if not a.startswith(("--run_id", "--log_dir"))], False)
+    parsed = T.parse_args([a for a in spec.args if not a.startswith(("--run_id", "--log_dir"))], False)
     return {k: v for k, v in vars(parsed).items() if k not in ("run_id", "log_dir")}
 
 
@@ -354,7 +360,7 @@ def reusable_summary(spec: RunSpec, log_dir: Path) -> dict | None:
     recorded = {k: v for k, v in summary.get("hyperparameters", {}).items() if k not in ("run_id", "log_dir")}
     expected = expected_hyperparameters(spec)
     # A run from before a hyperparameter existed ran its default (each new switch defaults to the old math).
-    defaults = {f.name: f.default for f in dataclasses.fields(trainer().Hyperparameters)}
+    defaults = {f.name: f.default for f in dataclasses.fields(T.Hyperparameters)}
     recorded.update({k: v for k, v in expected.items() if k not in recorded and v == defaults.get(k)})
     if summary.get("status") != "finished" or recorded != expected:
         return None

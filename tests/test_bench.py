@@ -134,25 +134,31 @@ def test_run_one_turns_a_failing_trainer_into_a_failure_with_its_stderr(tmp_path
 
 # ---------------------------------------------------------------- variants and runs
 
-@pytest.mark.parametrize("name", list(A.VARIANTS))
-def test_variant_overrides_are_train_gpt_hyperparameters(name):
+WHAT_EACH_VARIANT_SWITCHES = {  # every field the variant changes from the cpu preset, and to what
+    "full": {},
+    "no_muon": {"muon": False},
+    "no_value_embeds": {"value_embeds": False},
+    "no_unet_skips": {"unet_skips": False},
+    "no_softcap": {"logit_softcap": 0.0},
+    "no_sliding_window": {"sliding_window": False},
+    "no_zero_init": {"zero_init": False},
+    "no_qk_norm": {"qk_norm": False},
+    "baseline": {"muon": False, "value_embeds": False, "unet_skips": False, "logit_softcap": 0.0,
+                 "sliding_window": False, "zero_init": False, "mlp_act": "gelu", "weight_decay": 0.1},
+}
+
+
+def test_the_variants_are_the_ones_listed_here():
+    assert set(A.VARIANTS) == set(WHAT_EACH_VARIANT_SWITCHES)
+
+
+@pytest.mark.parametrize("name", list(WHAT_EACH_VARIANT_SWITCHES))
+def test_each_variant_switches_what_its_name_says_and_nothing_else(name):
+    """Parsed as train_gpt.py parses them: a misspelt, no-op or extra override changes another field or none."""
     args = T.parse_args(["--preset=cpu", *A.VARIANTS[name]], False)
     cpu = T.parse_args(["--preset=cpu"], False)
-    changed = {k for k in vars(cpu) if getattr(args, k) != getattr(cpu, k)}
-    expected = {arg.removeprefix("--").split("=")[0] for arg in A.VARIANTS[name]}
-    assert changed == expected  # every override takes effect, none is a no-op
-
-
-def test_variants_switch_what_they_say():
-    def parse(name):
-        return T.parse_args(["--preset=cpu", *A.VARIANTS[name]], False)
-
-    assert not parse("no_muon").muon and parse("no_softcap").logit_softcap == 0
-    assert not parse("no_sliding_window").sliding_window and not parse("no_zero_init").zero_init
-    base = parse("baseline")
-    assert (base.muon, base.value_embeds, base.unet_skips, base.sliding_window, base.zero_init) == (False,) * 5
-    assert base.mlp_act == "gelu" and base.weight_decay == 0.1 and base.logit_softcap == 0
-    assert parse("full") == T.parse_args(["--preset=cpu"], False)
+    changed = {k: getattr(args, k) for k in vars(cpu) if getattr(args, k) != getattr(cpu, k)}
+    assert changed == WHAT_EACH_VARIANT_SWITCHES[name]
 
 
 def test_run_specs_are_seed_major_with_unique_ids(tmp_path):
@@ -228,10 +234,12 @@ def test_gpu_check_without_a_gpu_reports_skips_and_exits_0(tmp_path):
                           capture_output=True, text=True, timeout=120, cwd=REPO)
     assert proc.returncode == 0, proc.stderr
     assert "nothing GPU-specific can run" in proc.stdout and f"torch {torch.__version__}" in proc.stdout
-    for check in ("pytest (GPU tests)", "fp8_matmul vs bf16", "FlexAttention vs SDPA", "speedrun preset timing"):
+    checks = ("pytest (GPU tests)", "fp8_matmul vs bf16", "fp8_matmul compiled vs eager", "FlexAttention vs SDPA",
+              "2 ranks: stop, checkpoint, resume", "speedrun preset timing")
+    for check in checks:
         assert check in proc.stdout
-    assert proc.stdout.count("skipped: no CUDA GPU") == 4
-    assert [row["result"] for row in json.loads(out.read_text())["table"]] == ["skipped: no CUDA GPU"] * 4
+    assert proc.stdout.count("skipped: no CUDA GPU") == len(checks)
+    assert [row["result"] for row in json.loads(out.read_text())["table"]] == ["skipped: no CUDA GPU"] * len(checks)
 
 
 def test_gpu_check_shards_are_valid_train_gpt_shards(tmp_path):
@@ -308,6 +316,22 @@ def test_v2_suite_variants_put_back_exactly_their_techniques():
         got = resolved(A.V2_VARIANTS[variant])
         assert {k for k in v2 if got[k] != v2[k]} == names, variant
         assert all(got[k] == records[k] for k in names), variant
+
+
+def test_v2_each_suite_takes_out_exactly_one_technique_per_variant():
+    """Every technique the cpu v2 uses has its v2_without_X row; each row parses and differs from v2 in the fields
+    that technique sets, each back at the reference recipe's value."""
+    def resolved(args):
+        return T.parse_args(["--preset=cpu", *args], False).__dict__
+    v2, reference = resolved(A.V2_EACH_VARIANTS[A.V2]), resolved(["--batch_tokens=6144"])
+    expected = {"batch_schedule", "polar_express", "normuon", "cautious_wd", "smoothed_scalars", "bigram", "smear",
+                "attn_gate", "ve_skip_gates", "backout", "key_offset", "paired_heads"}
+    assert set(A.V2_EACH_VARIANTS) == {"reference", A.V2, *(f"v2_without_{name}" for name in expected)}
+    for name in expected:
+        got = resolved(A.V2_EACH_VARIANTS[f"v2_without_{name}"])
+        changed = {k for k in v2 if got[k] != v2[k]}
+        assert changed == set(next(t for t in T.TECHNIQUES if t.name == name).v2["cpu"]), name
+        assert all(got[k] == reference[k] for k in changed), name
 
 
 def test_v2_table_targets_v2_and_compares_the_reference():

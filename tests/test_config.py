@@ -23,9 +23,13 @@ RECORD_2025_01_26 = dict(
 
 
 def test_speedrun_preset_is_the_record():
+    """The literals above, not the trainer's own table: the default on a GPU machine and --preset=speedrun named
+    on a machine without one both resolve to the record's values."""
     args = T.parse_args([], cuda_available=True)
     assert args.preset == "speedrun"
     assert {k: getattr(args, k) for k in RECORD_2025_01_26} == RECORD_2025_01_26
+    named = T.parse_args(["--preset=speedrun"], cuda_available=False)
+    assert {k: getattr(named, k) for k in RECORD_2025_01_26} == RECORD_2025_01_26
     assert T.FP8_SCALES == dict(x_scale=2.0, w_scale=2.0 ** 9, grad_scale=2.0 ** 19)
     assert args.val_tokens // args.val_seq_len == 40  # 5 val sequences per rank on 8 GPUs
 
@@ -98,3 +102,67 @@ def test_the_v2_fidelity_table_states_the_recipes_values():
             assert getattr(args, name) == T.parse_value(types[name], value), (technique, name, value)
             checked += 1
     assert checked >= 40
+
+
+# ----------------------------------------------------------------------------- recipe v2's techniques
+
+def readme_recipes_rows():
+    """(flags, record folders) of each row of the README's Recipes table."""
+    text = (REPO / "README.md").read_text()
+    table = text[text.index("| technique | flags (v2 value) | record folder"):].split("\n\n")[0].splitlines()[2:]
+    rows = [line.split(" | ") for line in table]
+    return [(set(re.findall(r"`(\w+)`", row[1])), set(re.findall(r"\d{4}-\d\d-\d\d_\w+", row[2]))) for row in rows]
+
+
+def test_the_readme_recipes_table_lists_every_technique_with_its_flags_and_records():
+    """Each README row belongs to one declared technique (by its record folders); each technique's records and
+    flags all appear in its rows."""
+    owners = {record: t for t in T.TECHNIQUES for record in t.records}
+    seen = {t.name: (set(), set()) for t in T.TECHNIQUES}
+    for flags, records in readme_recipes_rows():
+        techniques = {owners[r].name for r in records if r in owners}
+        assert len(techniques) == 1 and records <= set(owners), (flags, records)
+        seen[techniques.pop()][0].update(flags)
+        seen[owners[next(iter(records))].name][1].update(records)
+    for t in T.TECHNIQUES:
+        assert set(t.flags) <= seen[t.name][0] and set(t.records) == seen[t.name][1], t.name
+
+
+def test_each_flag_is_owned_by_at_most_one_technique_and_every_preset_is_decided():
+    fields = {f.name for f in dataclasses.fields(T.Hyperparameters)}
+    owned = [name for t in T.TECHNIQUES for name in t.flags]
+    assert len(owned) == len(set(owned)) and set(owned) <= fields
+    for t in T.TECHNIQUES:
+        assert set(t.v2) | set(t.left_out) == set(T.PRESETS) and not set(t.v2) & set(t.left_out), t.name
+        assert all(set(values) <= fields for values in t.v2.values()), t.name
+
+
+@pytest.mark.parametrize("preset", ["speedrun", "cpu"])
+def test_recipe_v2_turns_on_exactly_the_techniques_declared_for_the_preset_and_off_turns_each_off(preset):
+    reference = T.parse_args([f"--preset={preset}"], False)
+    v2 = T.parse_args([f"--preset={preset}", "--recipe=v2"], False)
+    assert not [t.name for t in T.TECHNIQUES if t.is_on(reference)]
+    assert [t.name for t in T.TECHNIQUES if t.is_on(v2)] == [t.name for t in T.TECHNIQUES if preset in t.v2]
+    for t in T.TECHNIQUES:
+        if preset in t.v2:
+            off = T.parse_args([f"--preset={preset}", "--recipe=v2", *T.flags_text(t.off(preset)).split()], False)
+            assert [u.name for u in T.TECHNIQUES if u.is_on(off)] == [u.name for u in T.TECHNIQUES
+                                                                     if preset in u.v2 and u is not t], t.name
+
+
+def test_every_gate_parameter_has_its_techniques_lr_and_every_declared_gate_exists():
+    import torch
+    with torch.device("meta"):
+        model = T.GPT(T.ModelConfig.of(T.parse_args(["--preset=speedrun", "--recipe=v2"], False)))
+    gates = {name.rsplit(".", 1)[-1] for name, _ in model.named_parameters() if name.endswith("_gate")}
+    declared = {name for t in T.TECHNIQUES for name in t.gate_lrs}
+    assert gates == declared == {"smear_gate", "attn_gate", "ve_gate", "skip_gate"}
+
+
+def test_the_cpu_v2_run_log_names_what_it_leaves_out_and_the_flags_that_add_it():
+    line = T.left_out_line(T.parse_args(["--preset=cpu", "--recipe=v2"], False))
+    assert line.startswith("recipe v2 on the cpu preset leaves out doc_align: ") and "\n" not in line
+    assert "--logit_softcap=23.0 --logit_offset=5.0 adds it" in line and "--mtp_tokens=3 adds it" in line
+    assert "mtp" not in T.left_out_line(T.parse_args(["--preset=cpu", "--recipe=v2", "--mtp_tokens=3"], False))
+    assert T.left_out_line(T.parse_args(["--preset=speedrun", "--recipe=v2"], False)) is None
+    assert T.left_out_line(T.parse_args(["--preset=cpu"], False)) is None

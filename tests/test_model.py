@@ -35,7 +35,7 @@ def tokens_with_docs(n, eot_positions, seed=0, vocab=T.EOT_TOKEN):
 
 def test_speedrun_parameter_count():
     with torch.device("meta"):
-        model = T.GPT(T.parse_args(["--preset=speedrun"], False))
+        model = T.GPT(T.ModelConfig.of(T.parse_args(["--preset=speedrun"], False)))
     d, vocab, padded, layers = 768, 50257, 50304, 12
     embeddings = 4 * vocab * d  # token embedding + 3 value embeddings
     head = padded * d
@@ -55,7 +55,7 @@ def test_speedrun_parameter_count():
 def test_fresh_model_loss_is_log_vocab():
     args = small_args("--seq_len=256")
     torch.manual_seed(0)
-    model = T.GPT(args)
+    model = T.GPT(T.ModelConfig.of(args))
     tokens = torch.randint(0, args.vocab_size, (257,), generator=torch.Generator().manual_seed(1))
     tokens[[0, 40, 130]] = EOT
     with torch.no_grad():
@@ -67,7 +67,7 @@ def test_fresh_model_loss_is_log_vocab():
 
 def test_initialisation_follows_recipe():
     torch.manual_seed(0)
-    model = T.GPT(small_args())
+    model = T.GPT(T.ModelConfig.of(small_args()))
     for name, p in model.named_parameters():
         if name.endswith("c_proj.weight") or name == "lm_head.weight":
             assert torch.count_nonzero(p) == 0, name  # output projections and head are zero
@@ -76,7 +76,7 @@ def test_initialisation_follows_recipe():
     assert w.abs().max().item() <= math.sqrt(3) * 0.5 / math.sqrt(64) + 1e-7
     assert model.blocks[0].lambdas.tolist() == [1.0, 0.0] and model.blocks[0].attn.lambdas.tolist() == [0.5, 0.5]
     # 2025-12-29_VeSkipGates: a gated value embedding enters at the gate's weight alone (lambda 1), v at 0.5
-    assert T.GPT(small_args("--ve_gates=true")).blocks[0].attn.lambdas.tolist() == [0.5, 1.0]
+    assert T.GPT(T.ModelConfig.of(small_args("--ve_gates=true"))).blocks[0].attn.lambdas.tolist() == [0.5, 1.0]
 
 
 # ----------------------------------------------------------------------------- layer roles
@@ -322,7 +322,7 @@ def test_model_gradient_does_not_cross_documents_or_windows(n_layer, window, far
     would make every cross-position gradient zero, so they are initialised randomly here."""
     args = small_args(f"--n_layer={n_layer}", "--seq_len=512", "--zero_init=false", "--dtype=fp32")
     torch.manual_seed(0)
-    model = T.GPT(args)
+    model = T.GPT(T.ModelConfig.of(args))
     tokens = tokens_with_docs(513, [0, 450, 451, 470])  # one 450-token document over 4 blocks, then short ones
     reach = reachable(tokens[:-1], window, model.roles)
     # what the layout puts in play: 2 layers x window 1 reach back to 384 (same block), 4 layers with
@@ -398,7 +398,7 @@ def test_cpu_runtime_selects_the_chunked_loss_and_the_model_matches_the_plain_on
     losses = []
     for chunked in (False, True):
         torch.manual_seed(0)
-        model = T.GPT(args, chunked_loss=chunked)
+        model = T.GPT(T.ModelConfig.of(args), loss=T.LossPath(chunked=chunked))
         loss = model(tokens[:-1], tokens[1:], T.window_tensor(2))
         loss.backward()
         losses.append((loss.item(), model.lm_head.weight.grad.clone(), model.embed.weight.grad.float()))
@@ -433,7 +433,7 @@ def test_validation_scores_the_head_a_chunk_at_a_time_on_every_path(monkeypatch)
     args = small_args("--seq_len=256", "--zero_init=false")
     tokens = tokens_with_docs(1025, [0, 90, 700])
     torch.manual_seed(0)
-    model = T.GPT(args, chunked_loss=False).eval()
+    model = T.GPT(T.ModelConfig.of(args), loss=T.LossPath(chunked=False)).eval()
     with torch.no_grad():
         plain = T.softcapped_cross_entropy(model.logits(tokens[:-1], T.window_tensor(4)), tokens[1:], model.softcap)
         chunks = []
@@ -448,7 +448,7 @@ def test_validation_scores_the_head_a_chunk_at_a_time_on_every_path(monkeypatch)
 
 def test_bad_model_input_refused():
     torch.manual_seed(0)
-    model = T.GPT(small_args("--seq_len=256"))
+    model = T.GPT(T.ModelConfig.of(small_args("--seq_len=256")))
     ok = torch.randint(0, 50257, (256,))
     with pytest.raises(T.UsageError, match="sequence length 200 is not a multiple of the 128-token block"):
         model(ok[:200], ok[:200], T.window_tensor(1))
@@ -467,7 +467,7 @@ def test_target_outside_vocab_refused():
     """Targets are token ids too. An id in [50257, 50304) silently trains a padding logit; one >= 50304 is a
     device-side assert on CUDA. (-100, cross_entropy's ignore_index, stays usable: the leak test uses it.)"""
     torch.manual_seed(0)
-    model = T.GPT(small_args("--seq_len=256"))
+    model = T.GPT(T.ModelConfig.of(small_args("--seq_len=256")))
     ok = torch.randint(0, 50257, (256,))
     targets = ok.clone()
     targets[5] = 50300
@@ -668,7 +668,7 @@ def randomised(model, seed=0):
 
 def test_speedrun_v2_parameter_count():
     with torch.device("meta"):
-        model = T.GPT(T.parse_args(["--preset=speedrun", "--recipe=v2"], False))
+        model = T.GPT(T.ModelConfig.of(T.parse_args(["--preset=speedrun", "--recipe=v2"], False)))
     d, vocab, padded, layers, heads, gate = 768, 50257, 50304, 12, 6, 12
     embeddings = 4 * vocab * d + 15 * 50304 * 192  # token + 3 value embeddings + the bigram table (192 wide)
     head = padded * d
@@ -717,7 +717,7 @@ def test_v2_model_never_looks_ahead_or_across_documents(backend):
     itself): a token changed at p changes no output before p and none in another document, and does change
     later outputs of its own document. The wide window makes every layer see the whole document."""
     torch.manual_seed(0)
-    model = randomised(T.GPT(v2_args("--dtype=fp32"), attention=backend)).eval()
+    model = randomised(T.GPT(T.ModelConfig.of(v2_args("--dtype=fp32")), attention=backend)).eval()
     tokens = tokens_with_docs(512, [0, 200, 201, 330])
     docs = T.document_ids(tokens)
     for p in (5, 199, 200, 201, 202, 329, 330, 331, 511):
@@ -734,7 +734,7 @@ def test_v2_gradient_does_not_cross_documents_or_look_ahead():
     """The loss at one position, back to the token and bigram embeddings: zero gradient outside its document and
     after it; the previous token (smear, bigrams, key offset) gets some, except across a document start."""
     torch.manual_seed(0)
-    model = randomised(T.GPT(v2_args("--dtype=fp32")))
+    model = randomised(T.GPT(T.ModelConfig.of(v2_args("--dtype=fp32"))))
     tokens = tokens_with_docs(513, [0, 300, 301, 302, 400])
     docs = T.document_ids(tokens[:-1])
     captured = {}
@@ -821,7 +821,7 @@ def test_bigram_rows_and_signs_against_the_record_formula():
 
 def test_bigram_embedding_enters_the_first_dims_with_its_sign():
     torch.manual_seed(0)
-    model = randomised(T.GPT(v2_args("--dtype=fp32")))
+    model = randomised(T.GPT(T.ModelConfig.of(v2_args("--dtype=fp32"))))
     tokens = tokens_with_docs(256, [0, 100])
     seen = []
     model.blocks[1].register_forward_pre_hook(lambda m, a: seen.append(a[6]))
@@ -846,11 +846,11 @@ def test_smear_takes_a_gated_share_of_the_previous_token_within_its_document():
 
 def test_gates_read_only_the_first_twelve_dims_and_start_neutral():
     torch.manual_seed(0)
-    model = T.GPT(v2_args("--dtype=fp32"))
+    model = T.GPT(T.ModelConfig.of(v2_args("--dtype=fp32")))
     attn = model.blocks[0].attn
     assert attn.attn_gate.shape == (2, T.GATE_DIMS) and attn.ve_gate.shape == (2, T.GATE_DIMS)
     assert model.skip_gate.shape == (2, T.GATE_DIMS) and model.smear_gate.shape == (1, T.GATE_DIMS)
-    six = T.GPT(v2_args("--n_layer=6"))
+    six = T.GPT(T.ModelConfig.of(v2_args("--n_layer=6")))
     assert [b.attn is not None and b.attn.ve_gate is not None for b in six.blocks] == \
         [ve is not None and has_attention for ve, has_attention in zip(six.roles.value_embed, six.roles.attention)]
     for gate in (attn.attn_gate, attn.ve_gate, model.skip_gate, model.smear_gate):
@@ -864,25 +864,25 @@ def test_backout_subtracts_its_share_of_the_stream_entering_its_layer():
     """With backout_lambda = 0 the model is the model without backout; with lambda the stream the head reads
     loses lambda x the stream that layers 0-2 of 4 made (layer 3 then adds its U-net skip)."""
     torch.manual_seed(0)
-    with_backout = randomised(T.GPT(v2_args("--dtype=fp32")))
-    without = T.GPT(v2_args("--dtype=fp32", "--backout=false"))
+    with_backout = randomised(T.GPT(T.ModelConfig.of(v2_args("--dtype=fp32"))))
+    without = T.GPT(T.ModelConfig.of(v2_args("--dtype=fp32", "--backout=false")))
     without.load_state_dict({k: v for k, v in with_backout.state_dict().items() if k != "backout_lambda"})
     tokens = tokens_with_docs(256, [0, 100])
-    masks = with_backout.layer_masks(tokens, T.window_tensor(2))
+    attention = with_backout.layer_attention(tokens, T.window_tensor(2))
     entering = []
     with_backout.blocks[2].register_forward_hook(lambda m, a, out: entering.append(out))  # before 3's U-net skip
     with torch.no_grad():
         lam = with_backout.backout_lambda.item()
-        torch.testing.assert_close(with_backout.trunk(tokens, masks), without.trunk(tokens, masks) - lam * entering[0])
+        torch.testing.assert_close(with_backout.trunk(tokens, attention), without.trunk(tokens, attention) - lam * entering[0])
         with_backout.backout_lambda.zero_()
-        torch.testing.assert_close(with_backout.trunk(tokens, masks), without.trunk(tokens, masks), rtol=0, atol=0)
+        torch.testing.assert_close(with_backout.trunk(tokens, attention), without.trunk(tokens, attention), rtol=0, atol=0)
     assert with_backout.roles.backout_layer == 3
 
 
 def test_v2_gates_and_bigram_table_go_to_their_optimizer_groups():
     torch.manual_seed(0)
     args = v2_args()
-    model = T.GPT(args)
+    model = T.GPT(T.ModelConfig.of(args))
     opt = T.build_optimizers(model, args, 0, 1)
     lr = {id(b.real[0]): g["base_lr"] for b, g in zip(opt.adam.buckets, opt.adam.adam.param_groups)}
     muon = {id(p) for b in opt.muon.buckets for p in b.real}
@@ -897,7 +897,7 @@ def test_v2_gates_and_bigram_table_go_to_their_optimizer_groups():
 
 def test_v2_fresh_model_loss_is_log_vocab_through_the_rescaled_softcap():
     torch.manual_seed(0)
-    model = T.GPT(v2_args())
+    model = T.GPT(T.ModelConfig.of(v2_args()))
     tokens = tokens_with_docs(257, [0, 40, 130])
     with torch.no_grad():  # zero head: every logit is 23 * sigmoid(5 / 7.5), the same for all 50304
         loss = model(tokens[:-1], tokens[1:], T.window_tensor(1))
@@ -910,7 +910,7 @@ def test_v2_stream_stays_in_the_activation_dtype():
     """Every v2 scale factor (bigram, smear, backout lambdas) multiplies the bf16 stream as a 0-dim tensor: a
     (1,)-shaped fp32 factor would promote the stream, and every matmul after it, to fp32 (2x slower on CPU)."""
     torch.manual_seed(0)
-    model = randomised(T.GPT(v2_args()))
+    model = randomised(T.GPT(T.ModelConfig.of(v2_args())))
     for module in model.modules():
         if isinstance(module, torch.nn.Embedding):
             module.to(torch.bfloat16)
@@ -959,7 +959,7 @@ def test_multi_token_loss_is_the_weighted_sum_of_each_columns_mean_against_float
 def test_validation_loss_is_next_token_loss_whatever_the_training_weights():
     """The model's loss without mtp_weights (validation, evaluate()) is plain next-token cross-entropy."""
     torch.manual_seed(0)
-    model = randomised(T.GPT(v2_args("--dtype=fp32"))).eval()
+    model = randomised(T.GPT(T.ModelConfig.of(v2_args("--dtype=fp32")))).eval()
     tokens = tokens_with_docs(257, [0, 100])
     with torch.no_grad():
         plain = model(tokens[:-1], tokens[1:], T.window_tensor(2))
@@ -973,7 +973,7 @@ def test_skip_gates_read_the_embedding_stream_x0(monkeypatch):
     """2025-12-29_VeSkipGates: the skip gate reads x0 (the normed embedding), not the stream at the skip; the
     skip enters as skip_weight * 2 * sigmoid(gate . x0[:12]) * (the encoder layer's output)."""
     torch.manual_seed(0)
-    model = randomised(T.GPT(v2_args("--dtype=fp32")))
+    model = randomised(T.GPT(T.ModelConfig.of(v2_args("--dtype=fp32"))))
     x0, gate_inputs = [], []
     model.blocks[0].register_forward_pre_hook(lambda m, a: x0.append(a[1]))
     gate = T.sigmoid_gate

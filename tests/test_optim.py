@@ -344,7 +344,7 @@ def test_adam_step_really_moves_parameters():
 def test_grouping_speedrun_shape():
     with torch.device("meta"):
         args = T.parse_args(["--preset=speedrun"], False)
-        model = T.GPT(args)
+        model = T.GPT(T.ModelConfig.of(args))
     opt = T.build_optimizers(model, args, rank=0, world_size=1)
     names = {p: n for n, p in model.named_parameters()}
     muon = [names[p] for b in opt.muon.buckets for p in b.real]
@@ -366,7 +366,7 @@ def test_grouping_speedrun_shape():
 def test_grouping_without_muon():
     with torch.device("meta"):
         args = T.parse_args(["--preset=speedrun", "--muon=false"], False)
-        model = T.GPT(args)
+        model = T.GPT(T.ModelConfig.of(args))
     opt = T.build_optimizers(model, args, rank=0, world_size=1)
     assert opt.muon is None
     assert sorted(opt.adam.names) == sorted(n for n, _ in model.named_parameters())

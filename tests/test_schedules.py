@@ -73,18 +73,13 @@ def test_window_blocks_every_step_matches_reference():
     assert all(a <= b for a, b in zip(got, got[1:]))
 
 
-def test_full_window_without_sliding_window():
-    args = speedrun("--sliding_window=false")
-    full = max(args.seq_len, args.val_seq_len) // 128
-    assert [T.attention_windows(s, args) for s in (0, 500, 1770)] == [(full, full // 2)] * 3
-    # full really is the whole sequence: the dense mask then equals causal-within-document
-    tokens = torch.full((512,), 7)
-    tokens[[0, 200]] = T.EOT_TOKEN
-    mask = T.sliding_window_mask(tokens, torch.tensor(T.attention_windows(0, T.parse_args(
-        ["--preset=cpu", "--sliding_window=false"], False))[0]))
-    docs = (tokens == T.EOT_TOKEN).cumsum(0)
-    causal_doc = torch.ones(512, 512, dtype=torch.bool).tril() & (docs[:, None] == docs[None, :])
-    assert torch.equal(mask, causal_doc)
+def test_full_window_without_sliding_window_spans_the_longest_sequence_at_every_step():
+    """The long window covers every block of the longest sequence the run attends over: validation's 256K tokens
+    (2048 blocks) on the speedrun preset, 2048 tokens (16 blocks) on the cpu one. That a window as long as the
+    sequence leaves only the causal and same-document rules is test_model.py's brute-force mask test."""
+    assert [T.attention_windows(s, speedrun("--sliding_window=false")) for s in (0, 500, 1770)] == [(2048, 1024)] * 3
+    cpu = T.parse_args(["--preset=cpu", "--sliding_window=false"], False)
+    assert [T.attention_windows(s, cpu) for s in (0, 100, cpu.num_iterations)] == [(16, 8)] * 3
 
 
 @pytest.mark.parametrize("long, short", [(1, 1), (2, 1), (3, 1), (7, 3), (14, 7)])
@@ -95,7 +90,7 @@ def test_short_window_is_half_the_long_one_at_least_one_block(long, short, monke
     assert torch.equal(T.window_tensor(long), torch.tensor([long, short]))
     args = T.parse_args(["--preset=cpu", "--n_layer=4", "--model_dim=32", "--n_head=1", "--head_dim=32",
                          "--vocab_size=64", "--seq_len=2048", "--val_seq_len=2048", "--val_tokens=2048"], False)
-    model = T.GPT(args)
+    model = T.GPT(T.ModelConfig.of(args))
     seen = []
     monkeypatch.setattr(model, "backend", type("Spy", (T.BandedAttention,), {
         "build_mask": staticmethod(lambda tokens, w: seen.append(int(w)) or T.banded_window_mask(tokens, w))}))
@@ -184,14 +179,6 @@ def test_presets_resolve():
     assert over.n_layer == 4 and over.model_dim == 256  # an override wins over the preset, the rest stays
     with pytest.raises(T.UsageError, match="unknown preset 'tiny'.*speedrun, cpu"):
         T.parse_args(["--preset=tiny"], False)
-
-
-def test_recipe_defaults():
-    a = speedrun()
-    assert (a.muon_lr, a.head_lr, a.embed_lr, a.scalar_lr) == (0.05, 0.008, 0.6, 0.04)
-    assert (a.adam_beta1, a.adam_beta2, a.adam_eps, a.weight_decay) == (0.8, 0.95, 1e-10, 0.0)
-    assert (a.num_iterations, a.cooldown_frac, a.lr_final_frac, a.window_final_tokens) == (1770, 0.4, 0.1, 1728)
-    assert a.batch_tokens == 393216 and a.val_tokens == 10_485_760 and a.val_every == 125
 
 
 @pytest.mark.parametrize("arg", ["--seq_len=1000", "--val_seq_len=129"])

@@ -1,6 +1,9 @@
 """Set-up files: run.sh's launch decisions, the Dockerfile, the pinned requirements and CI."""
+import json
 import os
+import posixpath
 import re
+import shlex
 import subprocess
 
 from conftest import REPO
@@ -69,16 +72,94 @@ def test_requirements_are_pinned_and_the_runtime_set_is_minimal():
     assert all(re.fullmatch(r"[A-Za-z0-9_.\-]+==[0-9][0-9A-Za-z.]*", l) for l in runtime + extras)
 
 
-def test_dockerfile_pins_a_cuda12_base_installs_the_requirements_and_runs_run_sh():
-    lines = [l.strip() for l in (REPO / "Dockerfile").read_text().splitlines() if l.strip() and not l.startswith("#")]
-    base = [l for l in lines if l.startswith("FROM ")]
-    assert len(base) == 1 and re.fullmatch(r"FROM nvidia/cuda:12\.\d+\.\d+-[a-z0-9.-]+", base[0]), base
-    installs = [l for l in lines if "pip install" in l]
-    assert installs == ["RUN pip install -r requirements.txt"]
-    assert "COPY requirements.txt ." in lines
-    assert lines[-1] == 'CMD ["./run.sh"]'
-    assert os.access(REPO / "run.sh", os.X_OK)
-    assert any(l.startswith("VOLUME") and "/speedrun/data/fineweb10B" in l for l in lines)
+def dockerfile_instructions(text):
+    """(KEYWORD, arguments) for each instruction, continuation lines joined and comment lines dropped, as docker
+    reads them."""
+    instructions, pending = [], ""
+    for line in text.splitlines():
+        if line.lstrip().startswith("#") or not (line.strip() or pending):
+            continue
+        if line.rstrip().endswith("\\"):
+            pending += line.rstrip()[:-1] + " "
+            continue
+        keyword, _, arguments = (pending + line).strip().partition(" ")
+        instructions.append((keyword.upper(), arguments.strip()))
+        pending = ""
+    return instructions
+
+
+def pip_install_arguments(command):
+    """(package specs, -r files) of each `pip install` in a shell command; none when it runs no pip."""
+    installs = []
+    for part in re.split(r"&&|\|\||;", command):
+        words = shlex.split(part)
+        for start in ([0] if words[:2] in (["pip", "install"], ["pip3", "install"]) else []) + \
+                [i for i in range(len(words)) if words[i + 1:i + 4] == ["-m", "pip", "install"]]:
+            rest = words[start + (2 if words[start].startswith("pip") else 4):]
+            packages, files = [], []
+            while rest:
+                word = rest.pop(0)
+                if word in ("-r", "--requirement"):
+                    files.append(rest.pop(0))
+                elif word.startswith("--requirement="):
+                    files.append(word.split("=", 1)[1])
+                elif word in ("-c", "--constraint", "-i", "--index-url", "--extra-index-url", "-f", "--find-links"):
+                    rest.pop(0)
+                elif not word.startswith("-"):
+                    packages.append(word)
+            installs.append((packages, files))
+    return installs
+
+
+def test_the_docker_image_installs_the_pinned_requirements_and_starts_run_sh():
+    """Read from the Dockerfile's instructions in order, not compared line by line: a CUDA 12 base; pip (the venv's,
+    first on PATH) installs the repository's requirements.txt, copied in before, and nothing else, so the image's
+    torch is that file's pin; the command is the repository's run.sh; the shards and logs are volumes at the
+    paths train_gpt.py reads and writes by default."""
+    import train_gpt as T
+    steps = dockerfile_instructions((REPO / "Dockerfile").read_text())
+    (base,) = [arguments for keyword, arguments in steps if keyword == "FROM"]
+    image, _, tag = base.partition(":")
+    assert image == "nvidia/cuda" and tag.split(".")[0] == "12", base
+
+    workdir, copies, env, venvs, installed = "/", [], {}, [], []
+
+    def repo_file(path):  # the repository file at this path of the image, by the copies made so far
+        path = posixpath.normpath(posixpath.join(workdir, path))
+        for source, target in reversed(copies):
+            if path == target or path.startswith(target.rstrip("/") + "/"):
+                return (REPO / source / posixpath.relpath(path, target)).resolve()
+        return None
+
+    for keyword, arguments in steps:
+        if keyword == "WORKDIR":
+            workdir = posixpath.normpath(posixpath.join(workdir, arguments))
+        elif keyword == "ENV":
+            env.update(word.split("=", 1) for word in shlex.split(arguments))
+        elif keyword == "COPY":
+            *sources, target = shlex.split(arguments)
+            for source in sources:  # a folder's contents land in the target; a file in it, or as it
+                into = target.endswith("/") or target == "." or len(sources) > 1
+                name = posixpath.basename(source) if into and not (REPO / source).is_dir() else ""
+                copies.append((source, posixpath.normpath(posixpath.join(workdir, target, name))))
+        elif keyword == "RUN":
+            venvs += re.findall(r"python3? -m venv (\S+)", arguments)
+            for packages, files in pip_install_arguments(arguments):
+                assert packages == [], f"pip installs {packages} beside the pinned requirements"
+                assert env.get("PATH", "").split(":")[0] in [f"{v}/bin" for v in venvs], "pip is not the venv's"
+                installed += [repo_file(f) for f in files]
+    assert installed == [REPO / "requirements.txt"], \
+        f"pip installs {installed} (None: not copied in yet), not the repository's requirements.txt"
+    assert "torch==" in (REPO / "requirements.txt").read_text()  # which version: the requirements test above
+
+    (command,) = [json.loads(arguments) if arguments.startswith("[") else shlex.split(arguments)
+                  for keyword, arguments in steps if keyword in ("CMD", "ENTRYPOINT")]
+    assert repo_file(command[0]) == REPO / "run.sh" and os.access(REPO / "run.sh", os.X_OK), command
+
+    volumes = {v for keyword, arguments in steps if keyword == "VOLUME" for v in json.loads(arguments)}
+    defaults = T.Hyperparameters()
+    expected = {posixpath.dirname(defaults.train_files), posixpath.dirname(defaults.val_files), defaults.log_dir}
+    assert {posixpath.join(workdir, path) for path in expected} <= volumes, volumes
 
 
 def test_ci_runs_the_readme_test_command():
@@ -120,3 +201,63 @@ def test_torch_free_programs_end_like_the_trainer():
     assert (cli.EXIT_OK, cli.EXIT_USAGE, cli.EXIT_PEER_LOST, cli.EXIT_RUN_FAILED) == \
         (T.EXIT_OK, T.EXIT_USAGE, T.EXIT_PEER_LOST, T.EXIT_RUN_FAILED)
     assert cli.run_cli(lambda: (_ for _ in ()).throw(T.RunFailed("full")), usage_errors=(T.UsageError,)) == 4
+
+
+# ----------------------------------------------------------------------------- dependencies point one way
+
+def repo_imports(path, modules):
+    """The repository modules that path imports, at any depth of its code (lazy imports included)."""
+    import ast
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names = [node.module] + [f"{node.module}.{alias.name}" for alias in node.names]
+        else:
+            continue
+        for name in names:
+            # data/'s programs import each other by bare name (their folder is on sys.path)
+            candidates = [name, f"{path.parent.name}.{name}"] if path.parent != REPO else [name]
+            found |= {c for c in candidates if c in modules}
+    return found - {module_name(path)}
+
+
+def module_name(path):
+    relative = path.relative_to(REPO).with_suffix("")
+    return ".".join(relative.parts[:-1] if relative.name == "__init__" else relative.parts)
+
+
+def test_no_module_imports_itself_back_and_the_trainer_imports_none():
+    """Every module of the trainer, tools/, data/, records/ and bench/: the graph of their imports of each
+    other has no cycle, train_gpt.py imports none of them, and data/ and records/ import no module that
+    imports torch (tools/cli.py is their one shared, torch-free helper)."""
+    files = [REPO / "train_gpt.py"] + [p for folder in ("tools", "data", "records", "bench")
+                                        for p in sorted((REPO / folder).glob("*.py"))]
+    modules = {module_name(p): p for p in files}
+    graph = {name: repo_imports(path, modules) for name, path in modules.items()}
+    assert graph["train_gpt"] == set()
+    assert "tools.loading" in graph["tools.sample"] and "train_gpt" in graph["tools.loading"]  # the walk sees imports
+
+    def cycle_from(start, path, seen):
+        for nxt in sorted(graph[path[-1]]):
+            if nxt == start:
+                return path + [nxt]
+            if nxt not in seen:
+                seen.add(nxt)
+                found = cycle_from(start, path + [nxt], seen)
+                if found:
+                    return found
+        return None
+    for name in modules:
+        assert cycle_from(name, [name], set()) is None, " -> ".join(cycle_from(name, [name], set()))
+
+    def reaches(name, seen=None):
+        seen = set() if seen is None else seen
+        for nxt in graph[name] - seen:
+            seen.add(nxt)
+            reaches(nxt, seen)
+        return seen
+    for name in modules:
+        if name.startswith(("data.", "records.")):
+            assert reaches(name) <= {"tools", "tools.cli", "data.shardio", "data.hub_shards"}, (name, reaches(name))

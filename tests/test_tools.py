@@ -6,7 +6,7 @@ import shutil
 import subprocess
 import sys
 import urllib.error
-from pathlib import Path
+import urllib.request
 
 import pytest
 import torch
@@ -18,7 +18,8 @@ from conftest import needs_gpt2_vocab as needs_tokenizer
 from tools import hellaswag as H
 from tools import loading, sample
 from tools.loading import run_tool
-from tools.export import export, load_exported
+from tools.export import export
+from tools.loading import load_exported
 
 EOT = T.EOT_TOKEN
 FIXTURE = REPO / "tests" / "fixtures" / "hellaswag" / "hellaswag_fixture.jsonl"
@@ -41,6 +42,16 @@ def random_model(dtype="fp32", seed=0):
         for name, p in model.named_parameters():
             if "lambdas" in name or name == "skip_weights":
                 p.add_(torch.randn_like(p) * 0.3)  # no mixing weight at a special value (0 or 1)
+    return model
+
+
+def randomised_model(args, seed=0):
+    """The model of args in eval mode, every weight random (gates and lambdas included): each path carries signal."""
+    model = T.GPT(T.ModelConfig.of(args)).eval()
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * (0.5 if p.ndim < 2 else 0.1))
     return model
 
 
@@ -100,12 +111,7 @@ def test_v2_model_decodes_from_its_history_with_the_full_forward_logits():
     cache cannot extend: decode() runs the model over the cached history, and gives logits()'s numbers."""
     args = model_args("--recipe=v2", "--n_layer=4", "--batch_tokens=2048", "--batch_schedule=", "--dtype=fp32",
                       "--bigram_vocab_size=1000", "--bigram_dim=32")
-    torch.manual_seed(0)
-    model = T.GPT(args).eval()
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.randn(p.shape, generator=gen) * (0.5 if p.ndim < 2 else 0.1))
+    model = randomised_model(args)
     assert model.decodes_from_history
     tokens = torch.tensor(prompt_with_documents(300, [0, 150, 151]))
     with torch.no_grad():
@@ -116,24 +122,52 @@ def test_v2_model_decodes_from_its_history_with_the_full_forward_logits():
     got = [model.decode(tokens[:140], cache)] + [model.decode(tokens[i:i + 1], cache) for i in range(140, 160)]
     got += [model.decode(tokens[160:250], cache)] + [model.decode(tokens[i:i + 1], cache) for i in range(250, 300)]
     torch.testing.assert_close(torch.stack(got), full[[139, *singles[:20], 249, *singles[20:]]], atol=2e-5, rtol=1e-5)
-    assert sample.generate(model, tokens[:140].tolist(), 8, 2, temperature=0) == \
-        sample.generate(model, tokens[:140].tolist(), 8, 2, temperature=0, kv_cache=False)
+    assert T.generate(model, tokens[:140].tolist(), 8, 2, temperature=0) == \
+        T.generate(model, tokens[:140].tolist(), 8, 2, temperature=0, kv_cache=False)
+
+
+MODEL_TECHNIQUES = [t for t in T.TECHNIQUES if t.part == "model"]
+
+
+@pytest.mark.parametrize("technique", MODEL_TECHNIQUES, ids=[t.name for t in MODEL_TECHNIQUES])
+def test_a_technique_marked_as_reading_the_previous_token_is_one_the_kv_cache_cannot_extend(technique, monkeypatch):
+    """Each model technique alone on a reference model, every weight random: decoding through the KV cache gives
+    the full forward's logits exactly when its declaration says the cache can extend it (reads_previous_token
+    false); for the ones marked true it does not, so decode() must (and does) rerun the history."""
+    values = {**technique.v2.get("cpu", technique.v2.get("speedrun")),
+              **({"bigram_vocab_size": 1000, "bigram_dim": 32} if technique.name == "bigram" else {})}  # small table
+    args = model_args("--dtype=fp32", *[f"--{k}={T.flag_text(v)}" for k, v in values.items()])
+    assert [t.name for t in T.TECHNIQUES if t.is_on(args)] == [technique.name]
+    model = randomised_model(args)
+    assert model.decodes_from_history == technique.reads_previous_token
+    monkeypatch.setattr(T.GPT, "decodes_from_history", property(lambda self: False))  # the cache path, always
+    tokens = torch.tensor(prompt_with_documents(256, [0, 100]))
+    with torch.no_grad():
+        full = model.logits(tokens, T.window_tensor(2))[0]
+    cache = T.KVCache(model, T.window_tensor(2))
+    try:
+        got = torch.stack([model.decode(tokens[:90], cache)] + [model.decode(tokens[i:i + 1], cache)
+                                                                for i in range(90, 256)])
+        matches = torch.allclose(got, full[89:256], atol=2e-5, rtol=1e-5)
+    except RuntimeError:  # paired heads' doubled positions do not even fit the cache's layout
+        matches = False
+    assert matches != technique.reads_previous_token
 
 
 def test_greedy_with_the_cache_matches_the_naive_forward():
     """A prompt longer than the long window, with a document boundary (EOT) inside it."""
     model = random_model()
     prompt = prompt_with_documents(330, [0, 200])
-    with_cache = sample.generate(model, prompt, 60, window_blocks=2, temperature=0)
-    naive = sample.generate(model, prompt, 60, window_blocks=2, temperature=0, kv_cache=False)
+    with_cache = T.generate(model, prompt, 60, window_blocks=2, temperature=0)
+    naive = T.generate(model, prompt, 60, window_blocks=2, temperature=0, kv_cache=False)
     assert len(with_cache) == 60 and with_cache == naive
 
 
 def test_greedy_in_bf16_matches_the_naive_forward():
     model = random_model("bf16")
     prompt = prompt_with_documents(140, [0, 70])
-    assert sample.generate(model, prompt, 20, 1, temperature=0) == \
-        sample.generate(model, prompt, 20, 1, temperature=0, kv_cache=False)
+    assert T.generate(model, prompt, 20, 1, temperature=0) == \
+        T.generate(model, prompt, 20, 1, temperature=0, kv_cache=False)
 
 
 def test_a_new_token_attends_only_to_its_window(monkeypatch):
@@ -155,21 +189,21 @@ def test_a_new_token_attends_only_to_its_window(monkeypatch):
 def test_sampling_is_seeded_and_respects_top_k():
     model = random_model()
     prompt = prompt_with_documents(10, [0])
-    draw = lambda seed, top_k=0: sample.generate(model, prompt, 30, 4, 1.0, top_k, torch.Generator().manual_seed(seed))
+    draw = lambda seed, top_k=0: T.generate(model, prompt, 30, 4, 1.0, top_k, torch.Generator().manual_seed(seed))
     assert draw(3) == draw(3) and draw(3) != draw(4)
     logits = torch.randn(T.next_multiple(EOT + 1, 128))
     top = set(torch.topk(T.apply_softcap(logits[:EOT + 1], T.Softcap(30.0)), 5).indices.tolist())
     gen = torch.Generator().manual_seed(0)
-    assert {sample.next_token(logits, EOT + 1, T.Softcap(30.0), 1.0, 5, gen) for _ in range(200)} <= top
+    assert {T.next_token(logits, EOT + 1, T.Softcap(30.0), 1.0, 5, gen) for _ in range(200)} <= top
     logits[EOT + 1] = 1e4  # a padding row of the head is never drawn
-    assert sample.next_token(logits, EOT + 1, T.Softcap(30.0), 0, 0, None) != EOT + 1
+    assert T.next_token(logits, EOT + 1, T.Softcap(30.0), 0, 0, None) != EOT + 1
 
 
 def test_generation_stops_at_the_end_of_the_document():
     model = random_model()
     with torch.no_grad():
         model.lm_head.weight[EOT] = 50.0 * model.lm_head.weight[EOT].sign()  # make EOT the likeliest next token
-    assert sample.generate(model, [EOT, 5, 6], 10, 4, temperature=0) == []
+    assert T.generate(model, [EOT, 5, 6], 10, 4, temperature=0) == []
 
 
 def test_a_long_prompt_is_cut_from_the_left_keeping_the_document_start():
@@ -262,10 +296,10 @@ def unigram_model(enc):
 @needs_tokenizer
 def test_fixture_gives_its_known_accuracy(monkeypatch):
     monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(TIKTOKEN_CACHE))
-    enc = loading.gpt2_tokenizer()
-    items = H.tokenized(H.read_examples(FIXTURE), enc, 256)
+    enc = T.gpt2_tokenizer()
+    items = T.tokenized_hellaswag(T.read_hellaswag(FIXTURE), enc, 256)
     for pack_tokens in (128, 256):  # one candidate per sequence, and several packed together
-        result = H.score(unigram_model(enc), items, window_blocks=1, pack_tokens=pack_tokens)
+        result = T.hellaswag_score(unigram_model(enc), items, window_blocks=1, pack_tokens=pack_tokens)
         assert result.predictions == FIXTURE_CHOICES
         assert (result.examples, result.acc, result.acc_norm) == (10, FIXTURE_ACC, FIXTURE_ACC_NORM)
 
@@ -275,12 +309,12 @@ def test_packed_ending_losses_match_one_forward_per_candidate(monkeypatch):
     """Against the training loss itself: each candidate alone, the context's targets ignored (-100)."""
     monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(TIKTOKEN_CACHE))
     model = random_model()
-    rows = [row for rows, _ in H.tokenized(H.read_examples(FIXTURE), loading.gpt2_tokenizer(), 512)
+    rows = [row for rows, _ in T.tokenized_hellaswag(T.read_hellaswag(FIXTURE), T.gpt2_tokenizer(), 512)
             for row in rows]
     window = T.window_tensor(2)
-    packed = H.ending_losses(model, rows, window, pack_tokens=512)
+    packed = T.ending_losses(model, rows, window, pack_tokens=512)
     for row, losses in zip(rows, packed):
-        tokens = sample.padded(row.tokens, torch.device("cpu"))
+        tokens = T.padded_to_blocks(row.tokens, torch.device("cpu"))
         targets = torch.full_like(tokens, -100)
         targets[row.ending_start - 1:len(row.tokens) - 1] = tokens[row.ending_start:len(row.tokens)]
         n = len(row.tokens) - row.ending_start
@@ -291,11 +325,11 @@ def test_packed_ending_losses_match_one_forward_per_candidate(monkeypatch):
 
 
 def test_blob_id_is_gits_and_the_pins_are_the_issue_s():
-    assert H.git_blob_sha1(FIXTURE.read_bytes()) == subprocess.run(
+    assert T.git_blob_id(FIXTURE.read_bytes()) == subprocess.run(
         ["git", "hash-object", str(FIXTURE)], capture_output=True, text=True, check=True).stdout.strip()
-    assert H.git_blob_sha1(b"") == "e69de29bb2d1d6434b8b29ae775ad8c2e48c5391"  # git's empty blob
-    assert H.BLOB_SHA1 == "0f5ee25d72216f12317d5d8a7b92deafa423d81e"
-    assert H.URL == ("https://raw.githubusercontent.com/rowanz/hellaswag/"
+    assert T.git_blob_id(b"") == "e69de29bb2d1d6434b8b29ae775ad8c2e48c5391"  # git's empty blob
+    assert T.HELLASWAG_BLOB_SHA1 == "0f5ee25d72216f12317d5d8a7b92deafa423d81e"
+    assert T.HELLASWAG_URL == ("https://raw.githubusercontent.com/rowanz/hellaswag/"
                      "a29ff8e9a04bba4bd6588223785ce105328adc57/data/hellaswag_val.jsonl")
 
 
@@ -307,7 +341,7 @@ class FakeServer:
 
     def __call__(self, url, timeout):
         self.requests += 1
-        assert url == H.URL
+        assert url == T.HELLASWAG_URL
         if self.data is None:
             raise urllib.error.URLError("no route to host")
         import io
@@ -317,37 +351,37 @@ class FakeServer:
 def test_download_once_then_verified_cache(monkeypatch, tmp_path):
     good = FIXTURE.read_bytes()
     server = FakeServer(good)
-    monkeypatch.setattr(H.urllib.request, "urlopen", server)
-    expected = H.git_blob_sha1(good)
-    path = H.cached_validation_file(tmp_path, expected=expected)
+    monkeypatch.setattr(urllib.request, "urlopen", server)
+    expected = T.git_blob_id(good)
+    path = T.cached_hellaswag_file(tmp_path, expected=expected)
     assert path.read_bytes() == good and server.requests == 1
-    assert H.cached_validation_file(tmp_path, expected=expected) == path and server.requests == 1
+    assert T.cached_hellaswag_file(tmp_path, expected=expected) == path and server.requests == 1
     path.write_bytes(good[:-5])  # a corrupt cache is fetched again
-    assert H.cached_validation_file(tmp_path, expected=expected).read_bytes() == good and server.requests == 2
+    assert T.cached_hellaswag_file(tmp_path, expected=expected).read_bytes() == good and server.requests == 2
 
 
 def test_corrupt_download_is_refused_with_the_url(monkeypatch, tmp_path):
     good = FIXTURE.read_bytes()
-    monkeypatch.setattr(H.urllib.request, "urlopen", FakeServer(good.replace(b"cat", b"cow", 1)))
+    monkeypatch.setattr(urllib.request, "urlopen", FakeServer(good.replace(b"cat", b"cow", 1)))
     with pytest.raises(T.UsageError) as e:
-        H.cached_validation_file(tmp_path, expected=H.git_blob_sha1(good))
-    assert "corrupt or changed" in str(e.value) and H.URL in str(e.value) and "\n" not in str(e.value)
+        T.cached_hellaswag_file(tmp_path, expected=T.git_blob_id(good))
+    assert "corrupt or changed" in str(e.value) and T.HELLASWAG_URL in str(e.value) and "\n" not in str(e.value)
     assert not list(tmp_path.iterdir())  # nothing half-written is left to be trusted later
 
 
 def test_unreachable_file_is_one_line_with_the_url(monkeypatch, tmp_path, capsys, checkpoint):
-    monkeypatch.setattr(H.urllib.request, "urlopen", FakeServer(None))
+    monkeypatch.setattr(urllib.request, "urlopen", FakeServer(None))
     assert run_tool(lambda: H.main([str(checkpoint), "--cache_dir", str(tmp_path)])) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "cannot download the HellaSwag validation file" in err[0] and H.URL in err[0]
+    assert len(err) == 1 and "cannot download the HellaSwag validation file" in err[0] and T.HELLASWAG_URL in err[0]
 
 
 def test_missing_or_malformed_local_file_is_one_line_with_the_url(tmp_path, checkpoint):
-    assert H.URL in one_error_line(tool("hellaswag", checkpoint, "--data", tmp_path / "nope.jsonl"))
+    assert T.HELLASWAG_URL in one_error_line(tool("hellaswag", checkpoint, "--data", tmp_path / "nope.jsonl"))
     bad = tmp_path / "bad.jsonl"
     bad.write_text(FIXTURE.read_text().splitlines()[0] + "\n" + '{"ctx": "x", "endings": ["a"], "label": 0}\n')
     line = one_error_line(tool("hellaswag", checkpoint, "--data", bad))
-    assert "line 2 of" in line and "is not a HellaSwag example" in line and H.URL in line
+    assert "line 2 of" in line and "is not a HellaSwag example" in line and T.HELLASWAG_URL in line
 
 
 # ----------------------------------------------------------------------------- export
@@ -414,9 +448,8 @@ import sys, time
 sys.path[:0] = [{repo!r}, {repo!r} + "/tests"]
 import train_gpt as T
 from rank_driver import exit_checked
-from tools import hellaswag
-score = hellaswag.score
-hellaswag.score = lambda *a, **k: (time.sleep(4), score(*a, **k))[1]  # a slow eval must not count as training
+score = T.hellaswag_score
+T.hellaswag_score = lambda *a, **k: (time.sleep(4), score(*a, **k))[1]  # a slow eval must not count as training
 exit_checked(T.main())
 '''
 

@@ -1,11 +1,11 @@
 """Export a trained model: python tools/export.py <checkpoint> <out_dir>
 
 Writes out_dir/model.safetensors (every weight, in the dtype it trained in) and out_dir/config.json
-(the recorded hyperparameters, the step and its attention window). load_exported(out_dir) rebuilds the
-model from those two files alone, with the model code of train_gpt.py:
+(the recorded hyperparameters, the step and its attention window). tools/loading.py's load_model(out_dir)
+rebuilds the model from those two files alone, with the model code of train_gpt.py:
 
-    from tools.export import load_exported
-    model = load_exported("out_dir").model          # GPT; model.logits(tokens, window) as in training
+    from tools.loading import load_model
+    model = load_model("out_dir").model          # GPT; model.logits(tokens, window) as in training
 
 The other tools take out_dir wherever they take a checkpoint.
 """
@@ -18,25 +18,11 @@ import os
 import sys
 from pathlib import Path
 
-import torch
-
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tools.loading import (EXPORT_CONFIG, EXPORT_WEIGHTS, LoadedModel, OneLineArgumentParser, T, build,  # noqa: E402,E501
-                           hyperparameters_from, load_model, pick_device, run_tool)
-
-FORMAT = "gpt2-speedrun"
-FORMAT_VERSION = 1
-
-
-def safetensors_torch():
-    try:
-        import safetensors.torch
-    except ImportError:
-        raise T.UsageError("export needs safetensors: pip install -r requirements-extras.txt") from None
-    return safetensors.torch
-
+from tools.loading import (EXPORT_CONFIG, EXPORT_FORMAT, EXPORT_FORMAT_VERSION, EXPORT_WEIGHTS,  # noqa: E402
+                           LoadedModel, OneLineArgumentParser, T, load_model, run_tool, safetensors_torch)
 
 def check_out_dir(out_dir: Path, overwrite: bool) -> None:
     """Refuses a folder that holds a file of the export's names: a user's own file is never replaced, and an
@@ -46,13 +32,13 @@ def check_out_dir(out_dir: Path, overwrite: bool) -> None:
         raise T.UsageError(f"{out_dir} already holds {' and '.join(existing)}; pick an empty folder, or pass "
                            "--overwrite to replace an earlier export there")
     if existing and not is_export(out_dir):
-        raise T.UsageError(f"{out_dir / EXPORT_CONFIG} is not a {FORMAT} export; it is left as is: pick another "
-                           "folder")
+        raise T.UsageError(f"{out_dir / EXPORT_CONFIG} is not a {EXPORT_FORMAT} export; it is left as is: pick "
+                           "another folder")
 
 
 def is_export(out_dir: Path) -> bool:
     try:
-        return json.loads((out_dir / EXPORT_CONFIG).read_text()).get("format") == FORMAT
+        return json.loads((out_dir / EXPORT_CONFIG).read_text()).get("format") == EXPORT_FORMAT
     except (OSError, ValueError, AttributeError):
         return False
 
@@ -72,32 +58,14 @@ def export(loaded: LoadedModel, out_dir: Path, overwrite: bool = False) -> None:
 def write_export(st, loaded: LoadedModel, out_dir: Path) -> None:
     """model.safetensors and config.json, each under a .part name until it is whole."""
     state = {name: t.detach().cpu().contiguous() for name, t in loaded.model.state_dict().items()}
-    config = {"format": FORMAT, "format_version": FORMAT_VERSION, "step": loaded.step,
+    config = {"format": EXPORT_FORMAT, "format_version": EXPORT_FORMAT_VERSION, "step": loaded.step,
               "window_blocks": loaded.window_blocks, "hyperparameters": dataclasses.asdict(loaded.args),
               "exported_from": str(loaded.source)}
     weights, meta = out_dir / EXPORT_WEIGHTS, out_dir / EXPORT_CONFIG
-    st.save_file(state, str(weights) + ".part", metadata={"format": FORMAT})
+    st.save_file(state, str(weights) + ".part", metadata={"format": EXPORT_FORMAT})
     (out_dir / (EXPORT_CONFIG + ".part")).write_text(json.dumps(config, indent=1))
     os.replace(str(weights) + ".part", weights)
     os.replace(out_dir / (EXPORT_CONFIG + ".part"), meta)
-
-
-def load_exported(out_dir: str | Path, device: str | torch.device = "cpu", window: str = "step") -> LoadedModel:
-    """The model rebuilt from config.json and model.safetensors alone."""
-    out_dir = Path(out_dir)
-    try:
-        config = json.loads((out_dir / EXPORT_CONFIG).read_text())
-    except (OSError, ValueError) as e:
-        raise T.UsageError(f"cannot read {out_dir / EXPORT_CONFIG} ({type(e).__name__}); export again") from None
-    if config.get("format") != FORMAT or config.get("format_version") != FORMAT_VERSION:
-        raise T.UsageError(f"{out_dir / EXPORT_CONFIG} is not a {FORMAT} export version {FORMAT_VERSION}")
-    args = hyperparameters_from(config["hyperparameters"], out_dir / EXPORT_CONFIG)
-    try:
-        state = safetensors_torch().load_file(str(out_dir / EXPORT_WEIGHTS))
-    except Exception as e:  # safetensors reports truncation and bad headers as several exception types
-        raise T.UsageError(f"{out_dir / EXPORT_WEIGHTS} is unreadable ({type(e).__name__}); export again") from None
-    device = device if isinstance(device, torch.device) else pick_device(device)
-    return build(args, state, int(config["step"]), device, window, out_dir)
 
 
 def main(argv: list[str] | None = None) -> int:

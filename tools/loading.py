@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,8 +35,18 @@ class OneLineArgumentParser(argparse.ArgumentParser):
         raise T.UsageError(f"{message} (see {self.prog} --help)")
 
 
-EXPORT_CONFIG = "config.json"
+EXPORT_CONFIG = "config.json"  # tools/export.py writes these; load_exported reads them
 EXPORT_WEIGHTS = "model.safetensors"
+EXPORT_FORMAT = "gpt2-speedrun"
+EXPORT_FORMAT_VERSION = 1
+
+
+def safetensors_torch():
+    try:
+        import safetensors.torch
+    except ImportError:
+        raise T.UsageError("export needs safetensors: pip install -r requirements-extras.txt") from None
+    return safetensors.torch
 
 
 @dataclass
@@ -142,7 +153,6 @@ def load_model(path: str | Path, device: str | torch.device = "auto", window: st
     if (path / T.CHECKPOINT_META).is_file():
         return load_checkpoint(path, device, window)
     if (path / EXPORT_CONFIG).is_file() and (path / EXPORT_WEIGHTS).is_file():
-        from tools.export import load_exported
         return load_exported(path, device, window)
     what = "does not exist" if not path.exists() else f"has no {T.CHECKPOINT_META} (nor {EXPORT_CONFIG} + " \
         f"{EXPORT_WEIGHTS})"
@@ -150,15 +160,19 @@ def load_model(path: str | Path, device: str | torch.device = "auto", window: st
                        "--checkpoint_final=true) or a folder tools/export.py wrote")
 
 
-def gpt2_tokenizer():
-    """tiktoken's GPT-2 encoding (tiktoken downloads it once, then reads it from its cache)."""
+def load_exported(out_dir: str | Path, device: str | torch.device = "cpu", window: str = "step") -> LoadedModel:
+    """The model rebuilt from config.json and model.safetensors alone."""
+    out_dir = Path(out_dir)
     try:
-        import tiktoken
-    except ImportError:
-        raise T.UsageError("the GPT-2 tokenizer needs tiktoken: pip install -r requirements-extras.txt") from None
+        config = json.loads((out_dir / EXPORT_CONFIG).read_text())
+    except (OSError, ValueError) as e:
+        raise T.UsageError(f"cannot read {out_dir / EXPORT_CONFIG} ({type(e).__name__}); export again") from None
+    if config.get("format") != EXPORT_FORMAT or config.get("format_version") != EXPORT_FORMAT_VERSION:
+        raise T.UsageError(f"{out_dir / EXPORT_CONFIG} is not a {EXPORT_FORMAT} export version {EXPORT_FORMAT_VERSION}")
+    args = hyperparameters_from(config["hyperparameters"], out_dir / EXPORT_CONFIG)
     try:
-        return tiktoken.get_encoding("gpt2")
-    except Exception as e:  # network and cache errors of tiktoken's one-time download take many forms
-        raise T.UsageError(f"cannot load the GPT-2 tokenizer ({type(e).__name__}): tiktoken downloads it once; "
-                           "connect to the internet, or set TIKTOKEN_CACHE_DIR to a folder holding its cache") \
-            from None
+        state = safetensors_torch().load_file(str(out_dir / EXPORT_WEIGHTS))
+    except Exception as e:  # safetensors reports truncation and bad headers as several exception types
+        raise T.UsageError(f"{out_dir / EXPORT_WEIGHTS} is unreadable ({type(e).__name__}); export again") from None
+    device = device if isinstance(device, torch.device) else pick_device(device)
+    return build(args, state, int(config["step"]), device, window, out_dir)

@@ -20,27 +20,9 @@ import torch
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tools.loading import OneLineArgumentParser, T, gpt2_tokenizer, load_model, run_tool  # noqa: E402
+from tools.loading import OneLineArgumentParser, T, load_model, run_tool  # noqa: E402
 
 EOT = T.EOT_TOKEN
-END_OF_RUN_TOKENS = 64  # --sample_at_end: short samples from a document start ...
-END_OF_RUN_TOP_K = 50  # ... at temperature 1 among the 50 likeliest tokens
-
-
-def next_token(logits: torch.Tensor, vocab_size: int, softcap: T.Softcap, temperature: float, top_k: int,
-               generator: torch.Generator | None) -> int:
-    """Greedy at temperature 0, else a draw from the softcapped distribution (top_k > 0 keeps the k likeliest).
-
-    The head's padding rows beyond the vocabulary are never drawn.
-    """
-    logits = T.apply_softcap(logits[:vocab_size], softcap)
-    if temperature <= 0:
-        return int(logits.argmax())
-    logits = logits / temperature
-    if 0 < top_k < vocab_size:
-        kth = torch.topk(logits, top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    return int(torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator))
 
 
 def fit_prompt(prompt: list[int], max_new_tokens: int, context: int) -> tuple[list[int], bool]:
@@ -55,47 +37,9 @@ def fit_prompt(prompt: list[int], max_new_tokens: int, context: int) -> tuple[li
     return head + prompt[len(prompt) - (keep - len(head)):], True
 
 
-def padded(tokens: list[int], device: torch.device) -> torch.Tensor:
-    """tokens followed by EOTs up to whole 128-token blocks (causal: the padding changes no earlier logit)."""
-    return torch.tensor(tokens + [EOT] * (-len(tokens) % T.BLOCK_SIZE), device=device)
-
-
-@torch.no_grad()
-def generate(model: T.GPT, prompt: list[int], max_new_tokens: int, window_blocks: int, temperature: float = 1.0,
-             top_k: int = 0, generator: torch.Generator | None = None, kv_cache: bool = True) -> list[int]:
-    """New tokens after prompt (which fits the context), stopping before an EOT the model emits."""
-    device = model.embed.weight.device
-    draw = lambda logits: next_token(logits, model.vocab_size, model.softcap, temperature, top_k, generator)
-    out: list[int] = []
-    if kv_cache:
-        cache = T.KVCache(model, T.window_tensor(window_blocks), max_len=len(prompt) + max_new_tokens)
-        logits = model.decode(torch.tensor(prompt, device=device), cache)
-    window = T.window_tensor(window_blocks, device)
-    for i in range(max_new_tokens):
-        if not kv_cache:  # the reference: the ordinary forward over the whole prefix, every token
-            sequence = prompt + out
-            logits = model.logits(padded(sequence, device), window)[0, len(sequence) - 1]
-        token = draw(logits)
-        if token == EOT:
-            break
-        out.append(token)
-        if kv_cache and i + 1 < max_new_tokens:
-            logits = model.decode(torch.tensor([token], device=device), cache)
-    return out
-
-
 def encode_prompt(enc, text: str) -> list[int]:
     """A document start, then the prompt ("<|endoftext|>" in it is the EOT token)."""
     return [EOT] + enc.encode(text, allowed_special={"<|endoftext|>"})
-
-
-def end_of_run_samples(model: T.GPT, n: int, window_blocks: int, seed: int) -> list[str]:
-    """train_gpt.py --sample_at_end: n short unconditional samples, drawn with a generator of their own."""
-    enc = gpt2_tokenizer()
-    device = model.embed.weight.device
-    generator = torch.Generator(device=device).manual_seed(seed)
-    return [enc.decode(generate(model, [EOT], END_OF_RUN_TOKENS, window_blocks, 1.0, END_OF_RUN_TOP_K, generator))
-            for _ in range(n)]
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -123,7 +67,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     opts = parse(argv)
-    enc = gpt2_tokenizer()
+    enc = T.gpt2_tokenizer()
     loaded = load_model(opts.checkpoint, opts.device, opts.window)
     model, context = loaded.model, loaded.model.context_len
     prompt, cut = fit_prompt(encode_prompt(enc, opts.prompt), opts.max_new_tokens, context)
@@ -140,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         start = time.perf_counter()
-        new = generate(model, prompt, opts.max_new_tokens, loaded.window_blocks, opts.temperature, opts.top_k,
+        new = T.generate(model, prompt, opts.max_new_tokens, loaded.window_blocks, opts.temperature, opts.top_k,
                        generator, kv_cache=opts.kv_cache == "true")
         if device.type == "cuda":
             torch.cuda.synchronize(device)
