@@ -282,8 +282,15 @@ def test_recipe_v2_switches_every_technique_on_and_each_flag_switches_one_off():
     assert {k: getattr(v2, k) for k in on} == on and all(getattr(ref, k) != v for k, v in on.items())
     off = speedrun("--recipe=v2", "--normuon=false")
     assert not off.normuon and off.polar_express and off.cautious_wd  # one technique off, the rest stay
+    model_on = {"smear": True, "attn_gate": True, "ve_gates": True, "skip_gates": True, "backout": True,
+                "key_offset": True, "paired_heads": True, "bigram_sign": True, "bigram_vocab_size": 15 * 50304,
+                "bigram_dim": 192, "mtp_tokens": 3, "logit_softcap": 23.0, "logit_offset": 5.0}
+    assert {k: getattr(v2, k) for k in model_on} == model_on and all(getattr(ref, k) != v for k, v in model_on.items())
     cpu = T.parse_args(["--recipe=v2"], False)
     assert (cpu.batch_tokens, cpu.seq_len, cpu.batch_schedule, cpu.bos_align) == (6144, 512, "1/3,2/3,1", False)
+    assert (cpu.bigram_vocab_size, cpu.bigram_dim, cpu.smear, cpu.paired_heads) == (5 * 50304, 64, True, True)
+    # the cpu v2 leaves the logit rescale and MTP out (their CPU ablation cost)
+    assert (cpu.mtp_tokens, cpu.logit_softcap, cpu.logit_offset) == (1, 30.0, 0.0)
     with pytest.raises(T.UsageError, match="unknown recipe 'v3'; valid recipes: reference, v2"):
         T.parse_args(["--recipe=v3"], False)
 
