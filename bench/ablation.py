@@ -133,9 +133,8 @@ V2_NOTE = ("v2 = --recipe=v2 on the cpu preset: part 1 (the v2_part1 suite: Pola
            "tokens (windows up to 512 tokens), and part 2, the model: a signed bigram hash embedding, smear, "
            "sparse attention gates, value-embedding and skip gates, backout, partial key offset on the long-window "
            "layers, paired heads on short-window layers 1 and 3. It leaves out the logit rescale and multi-token "
-           "prediction, which cost loss at this scale (bench/results/v2_before_issue29, where each technique was "
-           "removed in turn from the earlier cpu v2); v2_with_X puts X back. Validation is always plain "
-           "next-token loss.")
+           "prediction, which cost loss on the earlier cpu v2 (bench/results/v2_before_issue29, where each technique "
+           "was removed in turn); v2_with_X puts X back on today's. Validation is always plain next-token loss.")
 
 
 @dataclass(frozen=True)
