@@ -12,10 +12,11 @@ gradient loop.
     torchrun --standalone --nproc_per_node=8 train_gpt.py --recipe=v2  # the later records' techniques
 
 --recipe=reference (the default) keeps the 2025-01-26 math bit for bit; --recipe=v2 switches on later
-records' techniques (RECIPES), each its own hyperparameter so that any one can be switched off.
+records' techniques, each declared once in TECHNIQUES and each its own hyperparameter, so that any one can be
+switched off.
 
-Sections, in order: configuration, distributed setup, data, model, optimizers,
-schedules, run log and accounting, checkpoints, training loop.
+Sections, in order: configuration, recipe v2's techniques, validation, distributed setup, data, model, optimizers,
+schedules, run log and accounting, checkpoints, samples and HellaSwag, training loop.
 """
 
 from __future__ import annotations
@@ -96,7 +97,7 @@ class Hyperparameters:
     """Every knob of a run. The defaults are the `speedrun` preset: the 2025-01-26 record of the NanoGPT
     speedrun ("R" below: records/012625_BatchSize of modded-nanogpt), whose values tests/test_config.py pins."""
     preset: str = "auto"  # speedrun | cpu; auto picks speedrun when CUDA is present, cpu otherwise
-    recipe: str = "reference"  # reference (R, bit for bit) | v2: the later records' techniques (RECIPES)
+    recipe: str = "reference"  # reference (R, bit for bit) | v2: the later records' techniques (TECHNIQUES)
     seed: int = 0  # model initialisation (data order is fixed by the shards)
     # data
     train_files: str = "data/fineweb10B/fineweb_train_*.bin"
@@ -569,6 +570,9 @@ def check_techniques(args: Hyperparameters) -> None:
                 raise UsageError(refusal.why(args))
 
 
+# -----------------------------------------------------------------------------
+# Validation: each flag's range, and the relations between flags
+
 # Every Hyperparameters field and what it accepts (a technique's own flags: its declaration); validate_args
 # refuses a field missing here.
 FLAG_RULES: dict[str, Rule] = {
@@ -663,6 +667,7 @@ class Runtime:
     compile: str  # model | loss | off
     chunked_loss: bool = False  # head + loss a chunk of rows at a time (ChunkedHeadLoss): the CPU path
     compile_attention: bool = False  # flex_attention compiled on its own: the model around it is not compiled
+    host_malloc: str = "default"  # glibc's settings on a CPU run (keep_freed_host_memory)
 
     @property
     def is_master(self) -> bool:
@@ -681,7 +686,7 @@ class Runtime:
         return {"attention": self.attention, "fp8_head": self.fp8_head, "compile": self.compile,
                 "dtype": str(self.dtype).removeprefix("torch."), "device": str(self.device),
                 "chunked_loss": self.chunked_loss, "compile_attention": self.compile_attention,
-                "world_size": self.world_size}
+                "host_malloc": self.host_malloc, "world_size": self.world_size}
 
 
 def fp8_supported(device: torch.device) -> bool:
@@ -709,7 +714,29 @@ def setup_runtime(args: Hyperparameters) -> Runtime:
     if kernels["compile"] == "model":
         configure_inductor(args)
     return Runtime(rank=rank, local_rank=local_rank, world_size=world_size, device=device,
-                   dtype=torch.bfloat16 if args.dtype == "bf16" else torch.float32, **kernels)
+                   dtype=torch.bfloat16 if args.dtype == "bf16" else torch.float32, **kernels,
+                   host_malloc=keep_freed_host_memory() if device.type == "cpu" else "default")
+
+
+# glibc's mallopt parameters and what a CPU run sets them to, unless its MALLOC_<name>_ variable is set: blocks
+# up to 256 MiB (a 512-row chunk of fp32 logits is 103 MB) from the heap, not mmap; freed heap kept up to 1 GiB;
+# the heap grown 256 MiB at a time.
+HOST_MALLOC = {"MMAP_THRESHOLD": (-3, 256 << 20), "TRIM_THRESHOLD": (-1, 1 << 30), "TOP_PAD": (-2, 256 << 20)}
+
+
+def keep_freed_host_memory() -> str:
+    """Keeps freed memory in glibc's heap for reuse. Every micro-step frees and allocates the same activation
+    buffers, and by default glibc hands blocks over 128 KiB back to the kernel, which zero-fills their pages
+    again on the next touch: a third of a cpu-preset step (bench/README.md). Math unchanged. Returns what
+    was set, for the run log; "default" where there is no glibc."""
+    import ctypes
+    try:
+        mallopt = ctypes.CDLL("libc.so.6").mallopt
+    except (OSError, AttributeError):
+        return "default"
+    done = [f"{name.lower()}={value}" for name, (param, value) in HOST_MALLOC.items()
+            if f"MALLOC_{name}_" not in os.environ and mallopt(param, value) == 1]
+    return "glibc " + ",".join(done) if done else "default"
 
 
 def choose_kernels(args: Hyperparameters, device_type: str, fp8_capable: bool) -> dict:
@@ -2420,7 +2447,7 @@ def environment_lines(rt: Runtime) -> list[str]:
              f"world_size: {rt.world_size}",
              f"attention: {rt.attention} fp8_head: {rt.fp8_head} compile: {rt.compile} dtype: {rt.dtype} "
              f"chunked_loss: {rt.chunked_loss} compile_attention: {rt.compile_attention}",
-             f"PYTORCH_CUDA_ALLOC_CONF: {os.environ.get('PYTORCH_CUDA_ALLOC_CONF', '')}"]
+             f"PYTORCH_CUDA_ALLOC_CONF: {os.environ.get('PYTORCH_CUDA_ALLOC_CONF', '')} host_malloc: {rt.host_malloc}"]
     try:
         smi = subprocess.run(["nvidia-smi"], capture_output=True, text=True, timeout=20)
         if smi.returncode == 0:

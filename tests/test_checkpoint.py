@@ -123,6 +123,7 @@ def test_sigterm_on_one_rank_checkpoints_all_ranks_and_resume_continues(tmp_path
     meta = json.loads((ckpts[0] / "checkpoint.json").read_text())
     assert meta["runtime"] == {"attention": "banded", "fp8_head": False, "compile": "off", "dtype": "bfloat16",
                                "device": "cpu", "chunked_loss": True, "compile_attention": False,
+                               "host_malloc": "glibc mmap_threshold=268435456,trim_threshold=1073741824,top_pad=268435456",
                                "world_size": 2}  # resolved, not "auto"/true
     assert meta["step"] == stopped_at and meta["format"] == T.CHECKPOINT_FORMAT
     assert sorted(meta["files"]) == [".metadata", "__0_0.distcp", "__1_0.distcp"]

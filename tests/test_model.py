@@ -406,6 +406,16 @@ def test_cpu_runtime_selects_the_chunked_loss_and_the_model_matches_the_plain_on
     assert rel_err(losses[1][1], losses[0][1]) < 1e-2 and rel_err(losses[1][2], losses[0][2]) < 2e-2
 
 
+def test_a_cpu_run_keeps_freed_memory_in_the_heap_unless_the_user_set_glibcs_variable(monkeypatch):
+    """The suite runs on Linux (glibc), which reports each mallopt it accepts; a MALLOC_<name>_ the user exported
+    is left to glibc."""
+    assert T.keep_freed_host_memory() == \
+        "glibc mmap_threshold=268435456,trim_threshold=1073741824,top_pad=268435456"
+    monkeypatch.setenv("MALLOC_TOP_PAD_", "0")
+    assert T.keep_freed_host_memory() == "glibc mmap_threshold=268435456,trim_threshold=1073741824"
+    assert T.setup_runtime(T.parse_args(["--preset=cpu"], False)).host_malloc.startswith("glibc mmap_threshold=")
+
+
 @pytest.mark.parametrize("compile_mode, alone", [("auto", False), ("model", False), ("loss", True), ("off", True)])
 def test_flex_attention_is_compiled_on_its_own_when_the_model_is_not(monkeypatch, compile_mode, alone):
     """Uncompiled flex_attention builds the dense score matrix (58 GB per layer at 48K tokens): --compile=off or
