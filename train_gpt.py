@@ -2351,7 +2351,8 @@ class StepTensors:
             if args.mtp_tokens > 1 else None
 
     def windows(self, step: int) -> Tensor:
-        return self.window_tensors[attention_windows(step, self.args)]
+        """The step's (long, short) windows; past the last step (a warm-up longer than the run) the last one's."""
+        return self.window_tensors[attention_windows(min(step, self.args.num_iterations), self.args)]
 
     def mtp_weights(self, step: int) -> list[Tensor]:
         """The model's optional loss-weights input: [the step's row] under --mtp_tokens > 1, else []."""

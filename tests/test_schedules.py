@@ -109,6 +109,9 @@ def test_every_step_has_its_window_pair_and_mtp_weights_as_device_tensors():
         assert weights.untyped_storage().data_ptr() == schedules.mtp_table.untyped_storage().data_ptr()  # a view
     assert schedules.windows(5) is schedules.windows(6)  # made once: the same tensor object while the window stays put
     assert T.StepTensors(speedrun(), torch.device("cpu")).mtp_weights(3) == []  # one-token loss: no input
+    # a warm-up longer than the run (--warmup_steps > --num_iterations) trains on the last step's inputs
+    assert schedules.windows(5000).tolist() == list(T.window_pair(reference_window_blocks(1770)))
+    assert schedules.mtp_weights(5000)[0].tolist() == [1.0, 0.0, 0.0]
 
 
 def test_a_training_step_makes_no_tensor_from_host_values(tmp_path, monkeypatch):
