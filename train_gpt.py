@@ -555,11 +555,12 @@ def left_out_line(args: Hyperparameters) -> str | None:
     if args.recipe != "v2" or not missing:
         return None
     return f"recipe v2 on the {args.preset} preset leaves out " + "; ".join(
-        f"{t.name}: {t.left_out[args.preset]} ({flags_text(t.v2['speedrun'])} adds it)" for t in missing)
+        f"{t.name}: {t.left_out[args.preset]} ({' '.join(as_flags(t.v2['speedrun']))} adds it)" for t in missing)
 
 
-def flags_text(values: dict[str, object]) -> str:
-    return " ".join(f"--{name}={flag_text(value)}" for name, value in values.items())
+def as_flags(values: dict[str, object]) -> list[str]:
+    """Hyperparameter values as the command-line arguments that set them."""
+    return [f"--{name}={flag_text(value)}" for name, value in values.items()]
 
 
 def check_techniques(args: Hyperparameters) -> None:
@@ -3497,8 +3498,8 @@ def write_log_header(log: RunLog, args: Hyperparameters, rt: Runtime, batches: B
         log.write(line, echo=False)
     log.write(f"run {run_id}: preset {args.preset}, {rt.world_size} rank(s) x {accum} micro-step(s), "
               f"{device_name(rt)}, attention {rt.attention}, fp8 head {rt.fp8_head}, compile {rt.compile}")
-    if left_out_line(args):
-        log.write(left_out_line(args))
+    if line := left_out_line(args):
+        log.write(line)
 
 
 def write_summary(path: Path, summary: dict, log: RunLog) -> None:

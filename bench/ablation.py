@@ -75,16 +75,12 @@ REFERENCE_NOTE = ("baseline = plain GPT-2-style AdamW: no Muon (AdamW at matrix_
 # values (Technique.off), "with X" to the records' (its speedrun v2 values).
 
 
-def flags(values: dict[str, object]) -> list[str]:
-    return [f"--{name}={T.flag_text(value)}" for name, value in values.items()]
-
-
 def without(*names: str) -> list[str]:
-    return [flag for t in T.TECHNIQUES if t.name in names for flag in flags(t.off("cpu"))]
+    return [flag for t in T.TECHNIQUES if t.name in names for flag in T.as_flags(t.off("cpu"))]
 
 
 def put_back(name: str) -> list[str]:
-    return flags(next(t for t in T.TECHNIQUES if t.name == name).v2["speedrun"])
+    return T.as_flags(next(t for t in T.TECHNIQUES if t.name == name).v2["speedrun"])
 
 
 V2_MODEL_TECHNIQUES = [t.name for t in T.TECHNIQUES if t.part in ("model", "loss")]  # part 2 of v2 (issue 14)

@@ -126,11 +126,9 @@ def file_sha256(path: str | os.PathLike) -> str:
     return h.hexdigest()
 
 
-def git_blob_sha1(path: str | os.PathLike | bytes) -> str:
-    """Hex git blob id of a file, or of bytes in memory (the ETag the Hub gives a non-LFS file; tools/hellaswag.py
-    pins its download by it): sha1 of b"blob <size>\\0" + content."""
-    if isinstance(path, bytes):
-        return hashlib.sha1(b"blob %d\0" % len(path) + path).hexdigest()
+def git_blob_sha1(path: str | os.PathLike) -> str:
+    """Hex git blob id of a file (the ETag the Hub gives a non-LFS file): sha1 of b"blob <size>\\0" + content,
+    read in blocks."""
     h = hashlib.sha1()
     h.update(b"blob %d\0" % os.path.getsize(path))
     with open(path, "rb") as f:

@@ -145,7 +145,7 @@ def test_recipe_v2_turns_on_exactly_the_techniques_declared_for_the_preset_and_o
     assert [t.name for t in T.TECHNIQUES if t.is_on(v2)] == [t.name for t in T.TECHNIQUES if preset in t.v2]
     for t in T.TECHNIQUES:
         if preset in t.v2:
-            off = T.parse_args([f"--preset={preset}", "--recipe=v2", *T.flags_text(t.off(preset)).split()], False)
+            off = T.parse_args([f"--preset={preset}", "--recipe=v2", *T.as_flags(t.off(preset))], False)
             assert [u.name for u in T.TECHNIQUES if u.is_on(off)] == [u.name for u in T.TECHNIQUES
                                                                      if preset in u.v2 and u is not t], t.name
 
