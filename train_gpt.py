@@ -50,7 +50,25 @@ from datetime import timedelta
 from fractions import Fraction
 from pathlib import Path
 
-import numpy as np
+
+
+def stopped_before_training(signum: int) -> str:
+    """The one line a signal ends a run with before its first training step."""
+    return (f"error: stopped by signal {signal.Signals(signum).name} before the first training step; nothing was "
+            "trained or saved: run again (or resume from the last checkpoint)")
+
+
+def exit_on_signal_while_importing(signum: int, frame) -> None:
+    """Ctrl-C or SIGTERM while numpy and torch import (seconds, before train() installs StopSignal)."""
+    print(stopped_before_training(signum), file=sys.stderr, flush=True)
+    os._exit(128 + signum)
+
+
+if __name__ == "__main__":  # a signal during the imports below ends in one line, not a 40-line traceback
+    signal.signal(signal.SIGINT, exit_on_signal_while_importing)
+    signal.signal(signal.SIGTERM, exit_on_signal_while_importing)
+
+import numpy as np  # noqa: E402
 
 # The 2025-01 record's allocator setting, before torch starts CUDA (a user's own setting wins): training
 # (48K tokens) and validation (262K) graphs alternate, and fixed-size segments would fragment between them.
@@ -224,6 +242,13 @@ class FieldType:
     def __str__(self) -> str:
         return self.kind.__name__ + (" or none" if self.optional else "")
 
+    def holds(self, value: object) -> bool:
+        """Whether a JSON value (a checkpoint's record) is of this kind: an int passes for a float, a bool for
+        nothing but a bool."""
+        if value is None or isinstance(value, bool):
+            return value is None and self.optional or isinstance(value, bool) and self.kind is bool
+        return isinstance(value, (int, float) if self.kind is float else self.kind)
+
 
 def field_types(cls: type = Hyperparameters) -> dict[str, FieldType]:
     """Every field's FieldType, read from its annotation: bool, int, float, str, or one of them | None.
@@ -278,8 +303,9 @@ def flag_text(value: object) -> str:
     return str(value).lower() if isinstance(value, bool) or value is None else str(value)
 
 
-def parse_args(argv: list[str], cuda_available: bool) -> Hyperparameters:
-    """`--name=value` overrides applied on top of a preset; unknown names and bad values are refused."""
+def parse_overrides(argv: list[str]) -> dict[str, object]:
+    """The values the command line sets, `--name=value` each (a bare --name sets a switch true); unknown names
+    and values of the wrong kind are refused."""
     types = field_types()
     overrides: dict[str, object] = {}
     for arg in argv:
@@ -294,6 +320,11 @@ def parse_args(argv: list[str], cuda_available: bool) -> Hyperparameters:
             overrides[name] = parse_value(types[name], text)
         except ValueError:
             raise UsageError(f"bad value {text!r} for --{name}: expected {types[name]}") from None
+    return overrides
+
+
+def resolve_hyperparameters(overrides: dict[str, object], cuda_available: bool) -> Hyperparameters:
+    """The command line's values on top of its recipe's, on top of its preset's; validated."""
     preset = overrides.get("preset", "auto")
     if preset == "auto":
         preset = "speedrun" if cuda_available else "cpu"
@@ -305,6 +336,47 @@ def parse_args(argv: list[str], cuda_available: bool) -> Hyperparameters:
     args = Hyperparameters(**{**PRESETS[preset], **RECIPES[recipe][preset], **overrides, "preset": preset})
     validate_args(args)
     return args
+
+
+def parse_args(argv: list[str], cuda_available: bool) -> Hyperparameters:
+    """`--name=value` overrides applied on top of a preset; unknown names and bad values are refused."""
+    return resolve_hyperparameters(parse_overrides(argv), cuda_available)
+
+
+# What a resumed run does not take from its checkpoint: where to find it and how to name this launch, the
+# one-shot flags of a launch (stop after a step, profile a few steps), and the collective timeout, which the
+# process group is made with before the checkpoint is read.
+PER_LAUNCH_FIELDS = ("resume", "log_dir", "run_id", "stop_after", "profile_steps", "collective_timeout_s")
+
+
+def resumed_hyperparameters(recorded: dict, overrides: dict[str, object], fresh: Hyperparameters,
+                            path: Path) -> tuple[Hyperparameters, list[str]]:
+    """A resumed run continues the run it resumes: every hyperparameter the checkpoint recorded, except the
+    per-launch ones and those the command line sets. Returns them with the run-log lines that say which values
+    came from where (where the checkpoint and this command line alone would disagree)."""
+    types = field_types()
+    for name in ("preset", "recipe"):
+        if name in overrides and name in recorded and overrides[name] != recorded[name]:
+            raise UsageError(f"--{name}={overrides[name]} differs from checkpoint {path}'s {name} {recorded[name]}: "
+                             f"a resumed run keeps its {name}; drop --{name}, or start a new run")
+    carried = {}
+    for name, value in recorded.items():
+        if name not in types or name in PER_LAUNCH_FIELDS or name in overrides:
+            continue  # a field this train_gpt.py no longer has, or one this launch sets itself
+        if not types[name].holds(value):
+            raise UsageError(f"checkpoint {path} records {name}={value!r}, not a {types[name]}: its checkpoint.json "
+                             "is edited or corrupt; resume from an earlier checkpoint")
+        carried[name] = float(value) if types[name].kind is float and value is not None else value
+    args = Hyperparameters(**{**dataclasses.asdict(fresh), **carried, **overrides})
+    validate_args(args)
+    kept = [f"{n}={flag_text(v)}" for n, v in carried.items() if v != getattr(fresh, n)]
+    changed = [f"{n}={flag_text(v)} (checkpoint: {flag_text(recorded[n])})" for n, v in overrides.items()
+               if n in recorded and n not in PER_LAUNCH_FIELDS and v != recorded[n]]
+    lines = [f"resume: the hyperparameters of checkpoint {path}" + (f", which differ from this command line's "
+                                                                   f"defaults in {', '.join(kept)}" if kept else "")]
+    if changed:
+        lines.append(f"resume: changed on the command line: {', '.join(changed)}")
+    return args, lines
 
 
 @dataclass(frozen=True)
@@ -621,6 +693,9 @@ def check_batch_schedule(args: Hyperparameters) -> None:
     if fracs and fracs[-1] != 1:
         raise UsageError(f"{flag} never reaches --batch_tokens={args.batch_tokens}: its last stage must be 1, the "
                          "batch the learning rates are set for (pass --batch_tokens for a smaller batch)")
+    if len(fracs) > args.num_iterations:  # equal-length stages: some would get no step and silently never train
+        raise UsageError(f"{flag} has {len(fracs)} stages but --num_iterations={args.num_iterations} has fewer steps; "
+                         "every stage needs at least one step: pass fewer stages or more steps")
     unit = Fraction(args.seq_len, args.batch_tokens)  # the smallest stage: one sequence
     for frac in fracs:
         if frac % unit:
@@ -657,18 +732,12 @@ def validate_args(args: Hyperparameters) -> None:
 # Distributed setup and device choices (decided once, here)
 
 @dataclass
-class Runtime:
+class Place:
+    """Where this process runs: its rank among world_size processes, and its device."""
     rank: int
     local_rank: int
     world_size: int
     device: torch.device
-    dtype: torch.dtype
-    attention: str  # flex | banded
-    fp8_head: bool
-    compile: str  # model | loss | off
-    chunked_loss: bool = False  # head + loss a chunk of rows at a time (ChunkedHeadLoss): the CPU path
-    compile_attention: bool = False  # flex_attention compiled on its own: the model around it is not compiled
-    host_malloc: str = "default"  # glibc's settings on a CPU run (keep_freed_host_memory)
 
     @property
     def is_master(self) -> bool:
@@ -682,6 +751,18 @@ class Runtime:
         if self.is_cuda:
             torch.cuda.synchronize()
 
+
+@dataclass
+class Runtime(Place):
+    """The Place and what start-up decided for its device: dtype and kernels."""
+    dtype: torch.dtype
+    attention: str  # flex | banded
+    fp8_head: bool
+    compile: str  # model | loss | off
+    chunked_loss: bool = False  # head + loss a chunk of rows at a time (ChunkedHeadLoss): the CPU path
+    compile_attention: bool = False  # flex_attention compiled on its own: the model around it is not compiled
+    host_malloc: str = "default"  # glibc's settings on a CPU run (keep_freed_host_memory)
+
     def resolved(self) -> dict:
         """What start-up decided (not what was asked for): the summary and checkpoints record this."""
         return {"attention": self.attention, "fp8_head": self.fp8_head, "compile": self.compile,
@@ -694,8 +775,8 @@ def fp8_supported(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
 
 
-def setup_runtime(args: Hyperparameters) -> Runtime:
-    """Joins the process group when launched by torchrun and picks device, dtype and kernels."""
+def join_process_group(args: Hyperparameters) -> Place:
+    """This process's rank and device; joins the process group when launched by torchrun."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -711,12 +792,20 @@ def setup_runtime(args: Hyperparameters) -> Runtime:
         dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo",
                                 timeout=timedelta(seconds=args.collective_timeout_s),
                                 device_id=device if device.type == "cuda" else None)
-    kernels = choose_kernels(args, device.type, fp8_supported(device))
+    return Place(rank, local_rank, world_size, device)
+
+
+def choose_runtime(place: Place, args: Hyperparameters) -> Runtime:
+    """The device's dtype and kernels for this run's hyperparameters."""
+    kernels = choose_kernels(args, place.device.type, fp8_supported(place.device))
     if kernels["compile"] == "model":
         configure_inductor(args)
-    return Runtime(rank=rank, local_rank=local_rank, world_size=world_size, device=device,
-                   dtype=torch.bfloat16 if args.dtype == "bf16" else torch.float32, **kernels,
-                   host_malloc=keep_freed_host_memory() if device.type == "cpu" else "default")
+    return Runtime(**vars(place), dtype=torch.bfloat16 if args.dtype == "bf16" else torch.float32, **kernels,
+                   host_malloc=keep_freed_host_memory() if place.device.type == "cpu" else "default")
+
+
+def setup_runtime(args: Hyperparameters) -> Runtime:
+    return choose_runtime(join_process_group(args), args)
 
 
 # glibc's mallopt parameters and what a CPU run sets them to, unless its MALLOC_<name>_ variable is set: blocks
@@ -958,7 +1047,14 @@ class TokenStream:
             elif start + n + 1 <= len(self.tokens):
                 self.pos = start + n
                 return self.tokens[start:start + n + 1]
-            self._next_shard()
+            try:
+                self._next_shard()
+            except RunFailed as e:
+                if not bos_align:
+                    raise
+                raise RunFailed(f"{e}; with --bos_align=true every sequence starts at a document start, so a shard's "
+                                f"text after its last start with {n + 1} tokens to go is skipped (one document longer "
+                                "than the shard yields one sequence): pass --bos_align=false or add shards") from None
         raise UsageError(f"no shard of {[str(f) for f in self.files]} holds a sequence of {n + 1} tokens")
 
     def _capped_documents(self, start: int, need: int, cap: int) -> list[tuple[int, int]] | None:
@@ -2716,7 +2812,7 @@ def set_aside_newer_checkpoints(root: Path, resumed_from: Path, rt: Runtime, log
     ranks_agree(True, rt)
 
 
-def ranks_agree(ok: bool, rt: Runtime) -> bool:
+def ranks_agree(ok: bool, rt: Place) -> bool:
     """True when ok holds on every rank (a barrier that also carries a failure)."""
     if rt.world_size == 1:
         return ok
@@ -2731,7 +2827,7 @@ def file_record(path: Path) -> dict:
         return {"bytes": os.fstat(f.fileno()).st_size, "sha256": hashlib.file_digest(f, "sha256").hexdigest()}
 
 
-def gather_objects(obj, rt: Runtime) -> list:
+def gather_objects(obj, rt: Place) -> list:
     if rt.world_size == 1:
         return [obj]
     out = [None] * rt.world_size
@@ -2773,6 +2869,9 @@ def save_checkpoint(state: TrainingState, args: Hyperparameters, rt: Runtime, ru
     """
     root = checkpoint_root(args, run_id)
     final = root / f"step_{state.step:06d}"
+    if not ranks_agree(not (final / CHECKPOINT_META).is_file(), rt):  # the resume point (--stop_after at it)
+        log.write(f"checkpoint: {final} step:{state.step} is already written (the resume point); kept as it is")
+        return final
     staging = root / (final.name + ".tmp")
     started = time.perf_counter()
     error, records = "", {}
@@ -2790,7 +2889,7 @@ def save_checkpoint(state: TrainingState, args: Hyperparameters, rt: Runtime, ru
                     "hyperparameters": dataclasses.asdict(args), "runtime": rt.resolved(), "files": files}
             try:
                 (staging / CHECKPOINT_META).write_text(json.dumps(meta, indent=1))
-                shutil.rmtree(final, ignore_errors=True)
+                shutil.rmtree(final, ignore_errors=True)  # an unfinished one (no checkpoint.json) only
                 os.replace(staging, final)
             except OSError as e:
                 error = write_failure(e)
@@ -2889,6 +2988,8 @@ def checkpoint_candidates(args: Hyperparameters) -> list[Path]:
                              "train with --checkpoint_every=N first")
         return sorted(found, key=lambda c: (c.stat().st_mtime, c.name), reverse=True)
     path = Path(args.resume)
+    if path.name == CHECKPOINT_META and path.is_file():  # the file that makes the folder a checkpoint
+        path = path.parent
     if not (path / CHECKPOINT_META).is_file():
         what = "not found" if not path.exists() else f"incomplete (no {CHECKPOINT_META})"
         raise UsageError(f"checkpoint {path} is {what}; pass a step_N folder or --resume=latest")
@@ -2938,7 +3039,7 @@ def read_checkpoint_meta(path: Path) -> dict:
     return meta
 
 
-def check_compatible(path: Path, meta: dict, args: Hyperparameters, rt: Runtime) -> None:
+def check_compatible(path: Path, meta: dict, args: Hyperparameters) -> None:
     """Refuses a checkpoint this run cannot continue: another model shape or optimizer layout, or no
     steps left to train. Any world size can continue any other's checkpoint."""
     for names, what in ((MODEL_SHAPE_FIELDS, "model"), (OPTIMIZER_STRUCTURE_FIELDS, "optimizer")):
@@ -2968,7 +3069,7 @@ def checkpoint_files_problem(path: Path, meta: dict, rank: int = 0, world_size: 
     return ""
 
 
-def choose_checkpoint(args: Hyperparameters, rt: Runtime) -> tuple[Path | None, list[str]]:
+def choose_checkpoint(args: Hyperparameters, rt: Place) -> tuple[Path | None, list[str]]:
     """The checkpoint to resume from, verified on every rank at start-up, and lines for the run log.
 
     An explicit folder that fails verification is refused; --resume=latest falls back to the newest
@@ -2991,7 +3092,6 @@ def choose_checkpoint(args: Hyperparameters, rt: Runtime) -> tuple[Path | None, 
                 raise
             meta, problem = None, str(e)
         if meta is not None:
-            check_compatible(path, meta, args, rt)
             problem = checkpoint_files_problem(path, meta, rt.rank, rt.world_size)
         if ranks_agree(not problem, rt):
             if path != candidates[0]:
@@ -3472,15 +3572,40 @@ def peak_memory_mib(rt: Runtime) -> tuple[float, str]:
     return rss, f"peak memory: {rss:.0f} MiB (rank 0 process max RSS; no device memory on CPU)"
 
 
-def new_run_id(args: Hyperparameters, rt: Runtime, checkpoint: Path | None = None) -> str:
+def run_id_problem(args: Hyperparameters, run_id: str, checkpoint: Path | None) -> str:
+    """Why this launch may not write under run_id ('' if it may): never two runs' results or checkpoints under one
+    id. A finished run's id is refused; so is one with checkpoints or a log, unless this launch continues that run
+    (it resumes one of the run's own checkpoints, or --resume=auto starts afresh before its first checkpoint)."""
+    log_dir = Path(args.log_dir)
+    log, summary, root = log_dir / f"{run_id}.txt", log_dir / f"{run_id}.json", log_dir / run_id
+    if log.exists() and not owner_is_gone(log):
+        return f"run {run_id} is running in another process ({log} is locked); wait for it to end or pick another --run_id"
+    if summary.exists():
+        return (f"run {run_id} has finished ({summary} holds its result, which is kept): pass another --run_id to start "
+                f"anew, or to train it further from one of its checkpoints (--resume={root}/step_N --run_id=NEW)")
+    if args.resume == "auto" or checkpoint is not None and checkpoint.parent.resolve() == root.resolve():
+        return ""
+    if checkpoints := complete_checkpoints(root):
+        return (f"run {run_id} has checkpoints ({checkpoints[-1]}): continue it with --resume={checkpoints[-1]}, or "
+                "pass another --run_id to start anew")
+    if log.exists():
+        return (f"run {run_id} already has a log ({log}) of a launch that ended before a checkpoint or a result: pass "
+                f"another --run_id, or delete {log} to reuse the name")
+    return ""
+
+
+def claim_run_id(args: Hyperparameters, place: Place, checkpoint: Path | None = None) -> str:
     """--run_id; else a resumed run keeps its checkpoint's run folder (so checkpoint_keep caps its disk
-    use), and a fresh run gets time, preset and a random suffix."""
-    run_id = args.run_id or (checkpoint.parent.name if checkpoint else None) or f"{time.strftime('%Y%m%d-%H%M%S')}_{args.preset}_{uuid.uuid4().hex[:6]}"
-    if rt.world_size > 1:
-        shared = [run_id]
-        dist.broadcast_object_list(shared, src=0)
-        run_id = shared[0]
-    return run_id
+    use), and a fresh run gets time, preset and a random suffix. Rank 0 decides, and checks that the id is free
+    (run_id_problem); every rank refuses together."""
+    run_id = args.run_id or (checkpoint.parent.name if checkpoint else None) or \
+        f"{time.strftime('%Y%m%d-%H%M%S')}_{args.preset}_{uuid.uuid4().hex[:6]}"
+    decided = [run_id, run_id_problem(args, run_id, checkpoint) if place.is_master else ""]
+    if place.world_size > 1:
+        dist.broadcast_object_list(decided, src=0)
+    if decided[1]:
+        raise UsageError(decided[1])
+    return decided[0]
 
 
 def write_log_header(log: RunLog, args: Hyperparameters, rt: Runtime, batches: BatchSchedule, run_id: str) -> None:
@@ -3516,15 +3641,22 @@ def train(argv: list[str]) -> int:
     if "--help" in argv or "-h" in argv:
         print(help_text())
         return EXIT_OK
-    args = parse_args(argv, torch.cuda.is_available())
-    rt = setup_runtime(args)
-    if rt.is_master and args.preset == "cpu" and not torch.cuda.is_available() and \
-            not any(a.startswith("--preset") for a in argv):
+    overrides = parse_overrides(argv)
+    args = resolve_hyperparameters(overrides, torch.cuda.is_available())
+    place = join_process_group(args)
+    if place.is_master and args.preset == "cpu" and not torch.cuda.is_available() and "preset" not in overrides:
         print("no GPU found: running the cpu preset (small model, bundled sample data); "
               "pass --preset=speedrun to force the reference recipe", flush=True)
+    batch_schedule(args, place.world_size)  # a world size that cannot split the batch is refused first
+    checkpoint, notes = choose_checkpoint(args, place) if args.resume else (None, [])
+    if checkpoint is not None:
+        meta = read_checkpoint_meta(checkpoint)
+        args, resumed = resumed_hyperparameters(meta["hyperparameters"], overrides, args, checkpoint)
+        check_compatible(checkpoint, meta, args)
+        notes += resumed
+    rt = choose_runtime(place, args)
     batches = batch_schedule(args, rt.world_size)
-    checkpoint, notes = choose_checkpoint(args, rt) if args.resume else (None, [])
-    run_id = new_run_id(args, rt, checkpoint)
+    run_id = claim_run_id(args, rt, checkpoint)
     log = RunLog(Path(args.log_dir) / f"{run_id}.txt" if rt.is_master else None)
     lock_run_log(log, run_id)
     try:
@@ -3534,8 +3666,7 @@ def train(argv: list[str]) -> int:
             log.write(note)
         return run_training(args, rt, log, batches, run_id, checkpoint)
     except Interrupted as e:
-        log.write(f"stopped by signal {signal.Signals(e.signum).name} before the first training step; nothing "
-                  "was trained or saved")
+        log.write(stopped_before_training(e.signum).removeprefix("error: "), echo=False)  # main() says it once
         raise
     except Exception as e:  # the log of a failed run says why it ended, then the error propagates
         log.write(f"error: {type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}",
@@ -3821,8 +3952,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return e.exit_status
     except Interrupted as e:
-        print(f"error: stopped by signal {signal.Signals(e.signum).name} before the first training step; nothing "
-              "was trained or saved: run again (or resume from the last checkpoint)", file=sys.stderr, flush=True)
+        print(stopped_before_training(e.signum), file=sys.stderr, flush=True)
         return 128 + e.signum
     except (RuntimeError, dist.DistError) as e:
         if not is_collective_failure(e):

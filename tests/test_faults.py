@@ -69,7 +69,7 @@ def test_corrupt_checkpoint_is_refused_and_latest_falls_back(tmp_path, tiny_run)
     flip_bytes(newest / "__0_0.distcp")
     line = one_line_error(run_main(TINY + ["--num_iterations=5", f"--resume={newest}"], log_dir))
     assert "does not match the sha256 in checkpoint.json" in line
-    result = run_main(TINY + ["--num_iterations=5", "--val_every=0", "--resume=latest"], log_dir)
+    result = run_main(TINY + ["--num_iterations=5", "--val_every=0", "--resume=latest", "--run_id=more"], log_dir)
     assert result.returncode == 0, result.stderr[-2000:]
     assert f"--resume=latest: falling back to {previous}" in result.stdout
     assert f"resumed from {previous} at step 2" in result.stdout
@@ -121,10 +121,11 @@ def test_signal_during_warmup_is_one_line_and_logged(tmp_path, sig):
         time.sleep(0.2)
     time.sleep(2)  # inside the warm-up steps
     proc.send_signal(sig)
-    _, err = proc.communicate(timeout=60)
+    out, err = proc.communicate(timeout=60)
     result = subprocess.CompletedProcess(args, proc.returncode, "", err)
     line = one_line_error(result, 128 + sig)
     assert f"stopped by signal {sig.name} before the first training step" in line
+    assert "stopped by signal" not in out  # said once: the log's copy of the line is not echoed
     assert log.read_text().splitlines()[-1].startswith(f"stopped by signal {sig.name}")
 
 
@@ -279,8 +280,8 @@ def test_resuming_an_older_checkpoint_keeps_it_and_sets_the_newer_ones_aside(tmp
     """The recovery after a divergence: --resume=<run>/step_000002 while the run folder holds steps 3 and 4.
     With --checkpoint_keep=1 rotation used to delete the resume point and the step it had just written (then
     crash); now the newer checkpoints are moved aside, named in the log, and the resume point is kept."""
-    base = TINY + ["--num_iterations=4", "--val_every=0", "--checkpoint_every=1", "--checkpoint_final=true", "--run_id=r"]
-    assert run_main(base + ["--checkpoint_keep=3"], tmp_path).returncode == 0
+    base = TINY + ["--num_iterations=5", "--val_every=0", "--checkpoint_every=1", "--stop_after=4", "--run_id=r"]
+    assert run_main(base + ["--checkpoint_keep=3"], tmp_path).returncode == 0  # stopped at 4, not finished
     run = tmp_path / "r"
     old_step4 = hashlib.sha256((run / "step_000004" / "__0_0.distcp").read_bytes()).hexdigest()
     again = run_main(base + ["--checkpoint_keep=1", f"--resume={run / 'step_000002'}"], tmp_path)
@@ -313,9 +314,9 @@ def test_an_edited_checkpoint_json_is_one_line_and_latest_falls_back(tmp_path, t
     assert f"checkpoint {newest} has a checkpoint.json that train_gpt.py did not write ({problem}" in line
     with pytest.raises(T.UsageError, match="did not write"):  # the tools read it through the same reader
         loading.load_model(newest, "cpu")
-    result = run_main(TINY + ["--num_iterations=5", "--val_every=0", "--resume=latest"], log_dir)
+    result = run_main(TINY + ["--num_iterations=5", "--val_every=0", "--resume=latest", "--run_id=more"], log_dir)
     assert result.returncode == 0 and f"resumed from {previous} at step 2" in result.stdout, result.stderr
-    assert list(newest.parent.glob("abandoned_after_step_000002_*/step_000004"))  # set aside, not deleted
+    assert (newest / "checkpoint.json").exists()  # another run's folder: left as it is
 
 
 def test_the_tools_verify_checkpoint_bytes_like_the_trainer(tmp_path, tiny_run):
@@ -448,3 +449,127 @@ def test_running_out_of_training_data_is_a_failed_run_not_a_usage_error(tmp_path
     line = one_line_error(run_main(TINY + [f"--train_files={small}", "--num_iterations=6", "--val_every=0"],
                                    tmp_path / "logs"), T.EXIT_RUN_FAILED)
     assert "ran out of training data after 1 pass(es) over 1 shard(s)" in line and "--train_cycle=true" in line
+
+
+# ------------------------------------------------ one run per run id; resumes continue the run they resume
+
+def file_digests(folder: Path) -> dict[str, str]:
+    return {str(f.relative_to(folder)): hashlib.sha256(f.read_bytes()).hexdigest()
+            for f in sorted(folder.rglob("*")) if f.is_file()}
+
+
+def test_a_finished_runs_id_is_refused_and_its_files_are_untouched(tmp_path, tiny_run):
+    """A fresh run with a finished run's --run_id used to replace its JSON, append to its log and rotate its
+    checkpoints away; now it is refused in one line that says how to continue it or start anew."""
+    logs = copy_run(tiny_run, tmp_path / "logs")
+    before = file_digests(logs)
+    for extra in ([], ["--checkpoint_every=1", "--checkpoint_final=true"]):
+        line = one_line_error(run_main(TINY + ["--run_id=tiny", "--num_iterations=2", "--seed=5", *extra], logs))
+        assert f"run tiny has finished ({logs / 'tiny.json'} holds its result, which is kept)" in line
+        assert "pass another --run_id to start anew" in line and "--resume=" in line
+    assert file_digests(logs) == before
+
+
+def test_a_checkpointed_or_logged_runs_id_is_refused_unless_the_launch_continues_it(tmp_path):
+    base = TINY + ["--num_iterations=4", "--val_every=0", "--run_id=c"]
+    assert run_main(base + ["--checkpoint_every=1", "--stop_after=2"], tmp_path).returncode == 0
+    before = file_digests(tmp_path)
+    line = one_line_error(run_main(base, tmp_path))
+    assert f"run c has checkpoints ({tmp_path / 'c' / 'step_000002'}): continue it with --resume=" in line
+    assert file_digests(tmp_path) == before
+    (tmp_path / "c" / "step_000001" / "checkpoint.json").unlink()  # now a log and unfinished folders only...
+    (tmp_path / "c" / "step_000002" / "checkpoint.json").unlink()
+    line = one_line_error(run_main(base, tmp_path))
+    assert f"run c already has a log ({tmp_path / 'c.txt'}) of a launch that ended before a checkpoint" in line
+    restarted = run_main(base + ["--resume=auto"], tmp_path)  # ... which an automatic restart continues
+    assert restarted.returncode == 0 and "no finished checkpoint of run c yet: starting afresh" in restarted.stdout
+
+
+def test_a_resumed_run_keeps_its_checkpoint_policy_and_the_log_says_what_came_from_where(tmp_path):
+    """--checkpoint_every and --checkpoint_final used to be forgotten by a resume that did not repeat them, so the
+    run ended without a final checkpoint; now every hyperparameter but the per-launch ones comes from the
+    checkpoint unless the command line sets it, and the log names both kinds."""
+    base = TINY + ["--val_every=0", "--run_id=k"]
+    assert run_main(base + ["--num_iterations=4", "--checkpoint_every=3", "--checkpoint_final=true", "--stop_after=2",
+                            "--muon_lr=0.03"], tmp_path).returncode == 0
+    resumed = run_main(base + ["--num_iterations=5", "--resume=latest"], tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert sorted(c.name for c in (tmp_path / "k").glob("step_*")) == ["step_000002", "step_000003", "step_000005"]
+    text = (tmp_path / "k.txt").read_text()
+    assert f"resume: the hyperparameters of checkpoint {tmp_path / 'k' / 'step_000002'}, which differ from this " \
+           "command line's defaults in muon_lr=0.03, checkpoint_every=3, checkpoint_final=true" in text
+    assert "resume: changed on the command line: num_iterations=5 (checkpoint: 4)" in text
+    assert [line for line in text.splitlines() if line.startswith("  muon_lr = ")] == ["  muon_lr = 0.03"] * 2
+
+
+@pytest.mark.parametrize("edit, message", [
+    (dict(muon_lr="fast"), "records muon_lr='fast', not a float: its checkpoint.json is edited or corrupt"),
+    (dict(checkpoint_final=1), "records checkpoint_final=1, not a bool"),
+])
+def test_a_resumed_hyperparameter_of_the_wrong_kind_is_one_line(tmp_path, tiny_run, edit, message):
+    logs = copy_run(tiny_run, tmp_path / "logs")
+    meta_path = logs / "tiny" / "step_000002" / "checkpoint.json"
+    meta = json.loads(meta_path.read_text())
+    meta["hyperparameters"].update(edit)
+    meta_path.write_text(json.dumps(meta))
+    assert message in one_line_error(run_main(["--resume=" + str(meta_path.parent), "--run_id=x"], logs))
+
+
+def test_a_resume_under_another_recipe_is_refused(tmp_path, tiny_run):
+    line = one_line_error(run_main(["--recipe=v2", f"--resume={tiny_run / 'tiny' / 'step_000002'}"], tmp_path))
+    assert "--recipe=v2 differs from checkpoint" in line and "a resumed run keeps its recipe" in line
+
+
+def test_resume_accepts_the_checkpoint_json_inside_a_checkpoint_folder(tmp_path, tiny_run):
+    meta = tiny_run / "tiny" / "step_000002" / "checkpoint.json"
+    result = run_main(TINY + ["--num_iterations=3", "--val_every=0", f"--resume={meta}", "--run_id=j"], tmp_path)
+    assert result.returncode == 0 and f"resumed from {meta.parent} at step 2" in result.stdout, result.stderr
+
+
+def test_stopping_at_the_resume_point_keeps_its_checkpoint_as_it_is(tmp_path, tiny_run):
+    """--stop_after at the step resumed from used to delete that checkpoint and write the same state again."""
+    logs = copy_run(tiny_run, tmp_path / "logs")
+    point = logs / "tiny" / "step_000002"
+    before = file_digests(point)
+    (logs / "tiny.json").unlink()  # the run may be continued under its own id
+    result = run_main(TINY + ["--num_iterations=6", f"--resume={point}", "--stop_after=2"], logs)
+    assert result.returncode == 0 and "is already written (the resume point); kept as it is" in result.stdout
+    assert file_digests(point) == before
+
+
+# ------------------------------------------------ schedules and data that would silently not train
+
+def test_a_batch_schedule_with_more_stages_than_steps_is_refused():
+    """The probe: 10 stages over 3 steps trained 2,048 + 6,144 + 6,144 tokens and never the 4,096-token stage."""
+    with pytest.raises(T.UsageError) as e:
+        T.parse_args(["--recipe=v2", "--batch_schedule=1/3,2/3,1,1,1,1,1,1,1,1", "--num_iterations=3"], False)
+    assert "has 10 stages but --num_iterations=3 has fewer steps; every stage needs at least one step" in str(e.value)
+    T.parse_args(["--recipe=v2", "--num_iterations=3"], False)  # one step per stage is enough
+
+
+def test_running_out_of_data_under_bos_align_names_it(tmp_path):
+    val = np.fromfile(REPO / "data" / "sample" / "sotu_val_000000.bin", dtype="<u2", offset=T.HEADER_BYTES)
+    document = np.where(val[:3000] == T.EOT_TOKEN, 11, val[:3000])
+    document[0] = T.EOT_TOKEN  # one document of 3000 tokens: room for one 512-token sequence from its start
+    header = np.zeros(256, dtype="<i4")
+    header[:3] = (T.SHARD_MAGIC, T.SHARD_VERSION, len(document))
+    shard = tmp_path / "one_train_000001.bin"
+    shard.write_bytes(header.tobytes() + document.astype("<u2").tobytes())
+    line = one_line_error(run_main(TINY + [f"--train_files={shard}", "--bos_align=true", "--val_every=0"],
+                                   tmp_path / "logs"), T.EXIT_RUN_FAILED)
+    assert "ran out of training data" in line and "with --bos_align=true every sequence starts at a document" in line
+
+
+# ------------------------------------------------ signals at any moment of start-up: one line, printed once
+
+def test_ctrl_c_while_torch_imports_is_one_line(tmp_path):
+    proc = subprocess.Popen([sys.executable, str(REPO / "train_gpt.py"), f"--log_dir={tmp_path}"], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    maps = Path(f"/proc/{proc.pid}/maps")
+    deadline = time.time() + 60
+    while time.time() < deadline and "libtorch" not in maps.read_text():  # torch's libraries load: mid-import
+        time.sleep(0.005)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    line = one_line_error(subprocess.CompletedProcess([], proc.returncode, out, err), 128 + signal.SIGINT)
+    assert line == T.stopped_before_training(signal.SIGINT) and out == "" and not list(tmp_path.iterdir())
