@@ -39,7 +39,7 @@ from typing import Iterable, Iterator
 import numpy as np
 
 import shardio
-from tools.cli import UsageError, one_line, run_cli  # shardio puts the repository root on sys.path
+from tools.cli import OneLineArgumentParser, UsageError, integer, one_line, run_cli  # shardio puts the repository root on sys.path
 
 DATA_DIR = Path(__file__).resolve().parent
 DEFAULT_SHARD_SIZE = 100_000_000
@@ -327,7 +327,7 @@ def existing_shards(out_dir: Path, name: str) -> list[Path]:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
+    p = OneLineArgumentParser(
         prog="fineweb.py",
         description="Tokenize FineWeb (--version) or local files (--input) with GPT-2 BPE into token shards.",
     )
@@ -336,27 +336,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     src.add_argument("--input", nargs="+", type=Path, metavar="PATH", help="local .txt / .jsonl / .parquet files")
     p.add_argument("--output_dir", type=Path, help="default: data/<fineweb10B|fineweb100B|finewebedu10B> or data/<name>")
     p.add_argument("--name", help="shard file name prefix (default: fineweb / finewebedu, or the first input's stem)")
-    p.add_argument("--shard_size", type=int, default=DEFAULT_SHARD_SIZE, help="tokens per train shard (default %(default)s)")
-    p.add_argument("--val_tokens", type=int, help="tokens in the val shard (default: --shard_size)")
+    p.add_argument("--shard_size", type=integer(1, shardio.MAX_TOKENS), default=DEFAULT_SHARD_SIZE, help="tokens per train shard (default %(default)s)")
+    p.add_argument("--val_tokens", type=integer(1, shardio.MAX_TOKENS), help="tokens in the val shard (default: --shard_size)")
     p.add_argument("--text_docs", choices=TEXT_DOCS, default="file", help="how text files split into documents (default %(default)s)")
     p.add_argument("--text_field", default="text", help="JSON field / Parquet column holding the text (default %(default)s)")
-    p.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="encoding processes; 1 encodes in this process (default %(default)s)")
-    p.add_argument("--max_docs", type=int, help="stop after this many documents (for quick trials)")
+    p.add_argument("--workers", type=integer(1), default=os.cpu_count() or 1, help="encoding processes; 1 encodes in this process (default %(default)s)")
+    p.add_argument("--max_docs", type=integer(0), help="stop after this many documents (for quick trials)")
     p.add_argument("--streaming", action=argparse.BooleanOptionalAction, default=True, help="stream FineWeb instead of downloading it first (default on)")
     p.add_argument("--overwrite", action="store_true", help="replace shards with the same name already in --output_dir")
     args = p.parse_args(argv)
-    if args.shard_size < 1:
-        p.error("--shard_size must be at least 1")
     if args.val_tokens is None:
         args.val_tokens = args.shard_size
-    if args.val_tokens < 1:
-        p.error("--val_tokens must be at least 1")
-    if max(args.shard_size, args.val_tokens) > shardio.MAX_TOKENS:
-        p.error(f"a shard holds at most {shardio.MAX_TOKENS} tokens")
-    if args.workers < 1:
-        p.error("--workers must be at least 1")
-    if args.max_docs is not None and args.max_docs < 0:
-        p.error("--max_docs must be at least 0")
     if args.name is not None and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9.-]*", args.name):
         p.error("--name may hold letters, digits, '.' and '-' only (it is followed by _val_/_train_)")
     return args

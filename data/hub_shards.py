@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import shardio
-from tools.cli import UsageError, one_line, run_cli  # shardio puts the repository root on sys.path
+from tools.cli import OneLineArgumentParser, UsageError, integer, one_line, run_cli  # shardio puts the repository root on sys.path
 
 DATA_DIR = Path(__file__).resolve().parent
 DEFAULT_TRAIN_SHARDS = 8  # 800M tokens; one speedrun (1770 steps x 393,216 tokens) reads fewer than 9 shards
@@ -219,7 +219,7 @@ def _import_hub():
 
 def parse_args(key: str, argv: list[str] | None) -> argparse.Namespace:
     ds = DATASETS[key]
-    p = argparse.ArgumentParser(
+    p = OneLineArgumentParser(
         prog=f"cached_{key}.py",
         description=f"Download the val shard and the first N train shards of the Hub dataset {ds.repo_id} "
         f"({ds.num_train} train shards of 100M GPT-2 tokens) into data/{ds.folder}/.",
@@ -227,28 +227,21 @@ def parse_args(key: str, argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "num_train",
         nargs="?",
-        type=int,
+        type=integer(0, ds.num_train),
         default=DEFAULT_TRAIN_SHARDS,
         metavar="N",
         help=f"train shards to fetch, 0..{ds.num_train} (default {DEFAULT_TRAIN_SHARDS}; one speedrun reads fewer than 9)",
     )
     p.add_argument("--local_dir", type=Path, default=DATA_DIR / ds.folder, help="where to put the shards (default %(default)s)")
-    p.add_argument("--workers", type=int, default=8, help="parallel downloads (default %(default)s)")
+    p.add_argument("--workers", type=integer(1), default=8, help="parallel downloads (default %(default)s)")
     p.add_argument("--revision", default="main", help="branch, tag or commit of the dataset repo (default %(default)s)")
-    p.add_argument("--retries", type=int, default=3, help="extra tries per shard on network/server errors (default %(default)s)")
+    p.add_argument("--retries", type=integer(0), default=3, help="extra tries per shard on network/server errors (default %(default)s)")
     p.add_argument(
         "--verify",
         action="store_true",
         help="also hash every shard already on disk and compare it with the Hub's sha256 (needs the Hub; reads every byte)",
     )
-    args = p.parse_args(argv)
-    if not 0 <= args.num_train <= ds.num_train:
-        p.error(f"N must be between 0 and {ds.num_train} for {ds.repo_id}, got {args.num_train}")
-    if args.workers < 1:
-        p.error("--workers must be at least 1")
-    if args.retries < 0:
-        p.error("--retries must be at least 0")
-    return args
+    return p.parse_args(argv)
 
 
 def run(key: str, argv: list[str] | None = None) -> int:

@@ -318,8 +318,14 @@ def test_missing_file_on_the_hub(hub, tmp_path):
     assert not (tmp_path / "shards" / "fineweb_train_000002.bin").exists()
 
 
-def test_n_out_of_range_is_refused(hub, tmp_path):
-    proc = run_download(hub.url, tmp_path, "104")
+@pytest.mark.parametrize("args, refused", [
+    (["104"], "argument N: bad value '104'; valid: an integer in [0, 103]"),
+    (["-1"], "argument N: bad value '-1'; valid: an integer in [0, 103]"),
+    (["--workers", "0"], "argument --workers: bad value '0'; valid: an integer at least 1"),
+    (["--retries", "-1"], "argument --retries: bad value '-1'; valid: an integer at least 0"),
+])
+def test_a_number_out_of_range_is_refused_in_one_line_before_any_request(hub, tmp_path, args, refused):
+    proc = run_download(hub.url, tmp_path, *args)
     assert proc.returncode == 2
-    assert "between 0 and 103" in proc.stderr
+    assert_one_line_error(proc, refused + " (see cached_fineweb10B.py --help)")
     assert hub.requests == []

@@ -197,6 +197,18 @@ def test_missing_input_is_one_line(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("option, value, valid", [
+    ("--workers", "0", "an integer at least 1"),
+    ("--shard_size", "0", "an integer in [1, 2147483647]"),
+    ("--val_tokens", str(2**31), "an integer in [1, 2147483647]"),  # more than a shard's header can count
+    ("--max_docs", "-1", "an integer at least 0"),
+])
+def test_a_number_out_of_range_is_one_line_naming_the_range(tmp_path, option, value, valid):
+    proc = run_tool("--input", str(tmp_path / "a.txt"), "--output_dir", str(tmp_path / "out"), option, value)
+    assert_one_line_error(proc, f"argument {option}: bad value '{value}'; valid: {valid} (see fineweb.py --help)")
+    assert not (tmp_path / "out").exists()
+
+
 @needs_gpt2
 def test_bad_json_line_is_one_line_and_removes_partial_output(tmp_path):
     src = tmp_path / "bad.jsonl"

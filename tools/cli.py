@@ -5,12 +5,19 @@ A UsageError (an expected bad condition: a flag, a file, the network) is one 'er
 EXIT_USAGE (the trainer's RunFailed, a usage error by type, carries EXIT_RUN_FAILED); Ctrl-C is one line and 128 + SIGINT. train_gpt.py stays one file and imports nothing from here:
 its own UsageError and exit statuses carry the same meaning (tests/test_setup.py holds the two to it), and
 the tools pass it to run_cli as one more usage-error type.
+
+Every program's arguments are read by OneLineArgumentParser (a bad one is the same one line), and every number
+argument is range-checked where it is parsed, by a type= from integer() or number(): a value outside its range is
+refused naming the valid one, never passed on to fail later (NaN and inf are never valid).
 """
 
 from __future__ import annotations
 
+import argparse
+import math
 import signal
 import sys
+from typing import Callable
 
 # Exit statuses, the same for every program here (README, "Errors and exit statuses").
 EXIT_OK = 0
@@ -45,3 +52,42 @@ def run_cli(main, interrupted: str = "nothing was lost", usage_errors: tuple[typ
     except KeyboardInterrupt:
         print(f"error: interrupted; {interrupted}", file=sys.stderr, flush=True)
         return 128 + signal.SIGINT
+
+
+class OneLineArgumentParser(argparse.ArgumentParser):
+    """argparse for every program here: a bad argument is the one 'error: ...' line (exit 2) that run_cli prints
+    for every usage error, not argparse's usage block; --help still prints the whole usage."""
+
+    def error(self, message: str):
+        raise UsageError(f"{message} (see {self.prog} --help)")
+
+
+def integer(lo: int, hi: int | None = None) -> Callable[[str], int]:
+    """An argparse type= for a whole number in [lo, hi]: anything else is refused with the valid range."""
+    valid = f"an integer at least {lo}" if hi is None else f"an integer in [{lo}, {hi}]"
+    return ranged(int, lambda v: lo <= v and (hi is None or v <= hi), valid)
+
+
+def number(lo: float, hi: float = math.inf, lo_open: bool = False, hi_open: bool = False,
+           also: tuple[float, ...] = ()) -> Callable[[str], float]:
+    """An argparse type= for a finite float in the interval, or one of the exact values `also` (0 for "off"):
+    NaN and inf are refused everywhere, as the trainer refuses them (they only ever mean a typo)."""
+    def ok(v: float) -> bool:
+        inside = (v > lo if lo_open else v >= lo) and (v < hi if hi_open else v <= hi)
+        return math.isfinite(v) and (inside or v in also)
+    left, right = "(" if lo_open else "[", ")" if hi_open or hi == math.inf else "]"
+    valid = f"a finite number in {left}{lo:g}, {'inf' if hi == math.inf else f'{hi:g}'}{right}"
+    return ranged(float, ok, valid + "".join(f", or {v:g}" for v in also))
+
+
+def ranged(parse: Callable[[str], float], ok: Callable[[float], bool], valid: str) -> Callable[[str], float]:
+    """The type= callable: parse(text) when ok(value), else argparse's one error naming the valid values."""
+    def convert(text: str):
+        try:
+            value = parse(text)
+        except ValueError:
+            value = None
+        if value is None or not ok(value):
+            raise argparse.ArgumentTypeError(f"bad value {text!r}; valid: {valid}")
+        return value
+    return convert

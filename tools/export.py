@@ -21,8 +21,9 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from tools.cli import OneLineArgumentParser  # noqa: E402
 from tools.loading import (EXPORT_CONFIG, EXPORT_FORMAT, EXPORT_FORMAT_VERSION, EXPORT_WEIGHTS,  # noqa: E402
-                           LoadedModel, OneLineArgumentParser, T, load_model, run_tool, safetensors_torch)
+                           LoadedModel, T, load_model, run_tool, safetensors_torch)
 
 def check_out_dir(out_dir: Path, overwrite: bool) -> None:
     """Refuses a folder that holds a file of the export's names: a user's own file is never replaced, and an
@@ -63,9 +64,17 @@ def write_export(st, loaded: LoadedModel, out_dir: Path) -> None:
               "exported_from": str(loaded.source)}
     weights, meta = out_dir / EXPORT_WEIGHTS, out_dir / EXPORT_CONFIG
     st.save_file(state, str(weights) + ".part", metadata={"format": EXPORT_FORMAT})
+    os.chmod(str(weights) + ".part", new_file_mode())  # safetensors writes 0600, whatever the umask says
     (out_dir / (EXPORT_CONFIG + ".part")).write_text(json.dumps(config, indent=1))
     os.replace(str(weights) + ".part", weights)
     os.replace(out_dir / (EXPORT_CONFIG + ".part"), meta)
+
+
+def new_file_mode() -> int:
+    """The permissions open() gives a new file under this process's umask (0644 under the usual 022)."""
+    umask = os.umask(0o022)  # reading the umask means setting it: set it straight back
+    os.umask(umask)
+    return 0o666 & ~umask
 
 
 def main(argv: list[str] | None = None) -> int:
