@@ -27,13 +27,10 @@ import fcntl
 import gc
 import glob
 import hashlib
-import inspect
 import json
-import logging
 import math
 import os
 import pickle
-import platform
 import shutil
 import signal
 import subprocess
@@ -41,7 +38,6 @@ import sys
 import threading
 import time
 import traceback
-import types
 import typing
 import uuid
 import warnings
@@ -49,7 +45,6 @@ from dataclasses import dataclass, fields
 from datetime import timedelta
 from fractions import Fraction
 from pathlib import Path
-
 
 
 def stopped_before_training(signum: int) -> str:
@@ -83,28 +78,19 @@ from torch.distributed.checkpoint.api import CheckpointException  # noqa: E402
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from torch.distributed.tensor import DTensor, Shard  # noqa: E402
 
+from checkpoints import (Checkpoints, FlatShard, TrainingState, check_same_tensors, choose_checkpoint,  # noqa: E402
+                         claim_run_folder, clean_stale_staging, local_part, lock_run_log, ranks_agree,
+                         read_checkpoint_meta, segment)
+from runlog import (Clock, EnergyMeter, RecompileWatch, RunFolder, RunLog, device_name, energy_line,  # noqa: E402
+                    environment_lines, git_commit, make_profiler, peak_memory_mib, progress_line, sources_sha256,
+                    trainer_sources as runlog_sources, write_summary)
+from flags import (ANY_BOOL, ANY_TEXT, BETA, EXIT_OK, EXIT_PEER_LOST, EXIT_RUN_FAILED, EXIT_USAGE, LR,  # noqa: E402,F401
+                   NON_EMPTY, OPTIONAL_BETA, PLAIN_NAME, UNIT, Rule, RunFailed, UsageError, as_flags, field_types, flag,
+                   flag_text, help_lines, integer, number, one_of, parse_overrides)
+
 REPO_DIR = Path(__file__).resolve().parent
 EOT_TOKEN = 50256  # <|endoftext|>: every document starts with it
 BLOCK_SIZE = 128  # attention mask granularity and window unit, in tokens
-
-
-# Exit statuses, the same for every program here (README, "Errors and exit statuses"; tools/cli.py has the rest).
-EXIT_OK = 0
-EXIT_USAGE = 2  # a UsageError: the one-line message says what to fix
-EXIT_PEER_LOST = 3  # a collective failed: another rank died or stopped answering
-EXIT_RUN_FAILED = 4  # a RunFailed: the run itself failed (diverged, out of data, disk full), not its input
-
-
-class UsageError(Exception):
-    """An expected bad condition (flag, data, checkpoint, file, environment): reported as one line that
-    says what to do, no traceback. tools/cli.py has the torch-free twin that data/ and records/ raise."""
-    exit_status = EXIT_USAGE
-
-
-class RunFailed(UsageError):
-    """A run that started well and failed on its own (diverged, ran out of data, a full disk, a full KV cache):
-    one line that says what to do, like a UsageError, but its own exit status, since no flag was wrong."""
-    exit_status = EXIT_RUN_FAILED
 
 
 # -----------------------------------------------------------------------------
@@ -114,102 +100,112 @@ class RunFailed(UsageError):
 class Hyperparameters:
     """Every knob of a run. The defaults are the `speedrun` preset: the 2025-01-26 record of the NanoGPT
     speedrun ("R" below: records/012625_BatchSize of modded-nanogpt), whose values tests/test_config.py pins."""
-    preset: str = "auto"  # speedrun | cpu; auto picks speedrun when CUDA is present, cpu otherwise
-    recipe: str = "reference"  # reference (R, bit for bit) | v2: the later records' techniques (TECHNIQUES)
-    seed: int = 0  # model initialisation (data order is fixed by the shards)
-    # data
-    train_files: str = "data/fineweb10B/fineweb_train_*.bin"
-    val_files: str = "data/fineweb10B/fineweb_val_*.bin"
-    val_tokens: int = 10_485_760  # R: the fixed validation budget every speedrun record is scored on
-    train_cycle: bool = False  # allow more than one pass over the training shards
-    bos_align: bool = False  # start every training sequence at a document start
-    doc_len_cap: int = 0  # 2025-09-03_FA3: pack documents cut to this many tokens (the rest dropped); 0: off
-    # batch: one flat sequence of seq_len tokens per rank per micro-step
-    batch_tokens: int = 8 * 48 * 1024  # R: 8 GPUs x 48K tokens per optimizer step, fixed for any world size
-    seq_len: int = 48 * 1024  # R: cut from 64K to 48K per GPU (critical batch size, arXiv 2410.21676)
-    batch_schedule: str = ""  # 2025-11-29_BatchSizeSchedule: equal-length stages, fractions of batch_tokens ("1/3,2/3,1": the record's 131K -> 262K -> 393K); empty: batch_tokens throughout
-    batch_lr_exponent: float = 0.6  # same record: a stage's lrs are scaled by (its tokens / batch_tokens) ** 0.6
-    val_seq_len: int = 4 * 64 * 1024  # R: 256K-token val sequences cut fewer documents (~0.0015 lower val loss)
-    # schedule
-    num_iterations: int = 1770  # R
-    cooldown_frac: float = 0.4  # R: lr decays linearly over this last fraction of training ...
-    lr_final_frac: float = 0.1  # R: ... down to this fraction of the base lr
-    val_every: int = 125  # R
-    window_final_tokens: int = 1728  # R: window grows linearly to next_multiple(1728 * step / 1770, 128) tokens
-    sliding_window: bool = True  # False: full causal attention within documents (ablation)
-    # model (R: 12 x 768, 6 heads of 128; GPT-2 vocabulary, head padded to 50304)
-    vocab_size: int = 50257  # GPT-2's BPE vocabulary (the head pads it to 50304, a multiple of 128)
-    n_layer: int = 12  # R: GPT-2 small's depth
-    model_dim: int = 768  # R: GPT-2 small's width
-    n_head: int = 6  # R: 6 heads of 128 (GPT-2 small has 12 of 64)
-    head_dim: int = 128  # R: wide heads, half of each rotated by rotary
-    attn_scale: float = 0.12  # R: fixed attention temperature instead of 1/sqrt(128)
-    logit_softcap: float = 30.0  # R: 30 * sigmoid(logits / 7.5); 0 turns the softcap (and the rescale below) off
-    value_embeds: bool = True  # R: three value-embedding tables (value residual, arXiv 2410.17897)
-    unet_skips: bool = True  # R: encoder layers feed the mirrored decoder layers with learned weights
-    zero_init: bool = True  # R: zero-init output projections and the head (initial loss ln(50304))
-    qk_norm: bool = True  # R: rms_norm of queries and keys before rotary
-    mlp_act: str = "relu2"  # R: relu(x)^2 (Primer, arXiv 2109.08668) | gelu
-    # model, recipe v2 (each off by default, which is the reference's math)
-    bigram_vocab_size: int = 0  # 2026-01-19_BigramHashEmbedding: rows of a hashed (previous, current) token table added to every layer's input; 0: off
-    bigram_dim: int = 0  # 2026-05-20_BigramsSignTrick: the table's width, added to the stream's first dims; 0: model_dim
-    bigram_sign: bool = False  # same record: a second hash picks a fixed random +-1 vector per bigram, so rows shared by several bigrams interfere less
-    smear: bool = False  # 2025-09-18_Smear: a gated share of the previous token's embedding, within the document
-    attn_gate: bool = False  # 2025-08-23_SparseAttnGate: a sigmoid gate per head on the attention output
-    ve_gates: bool = False  # 2025-12-29_VeSkipGates: a sigmoid gate per head on the value embeddings
-    skip_gates: bool = False  # same record: a 2 * sigmoid gate on each U-net skip, read from the embedding x0
-    backout: bool = False  # 2025-10-04_Backout: subtract a learned share of the stream after 3/4 of the layers before the head
-    key_offset: bool = False  # 2025-12-14_PartialKeyOffset: long-window keys' stationary rotary dims come from the previous token
-    paired_heads: bool = False  # 2026-01-07_PairedHeadAttention: head pairs attend as one head over interleaved positions
-    logit_offset: float = 0.0  # 2025-12-26_LogitRescale: softcap * sigmoid((logits + offset) / logit_temperature)
-    logit_temperature: float = 7.5  # R: 30 * sigmoid(logits / 7.5)
-    mtp_tokens: int = 1  # 2025-12-22_MultiTokenPrediction: the training loss also predicts the next N-1 tokens after the next; 1: off
-    # optimizers
-    muon: bool = True  # R: Muon for hidden matrices; False: Adam for them too (ablation)
-    muon_lr: float = 0.05  # R
-    muon_momentum: float = 0.95  # R: Nesterov momentum, warmed up from muon_momentum_start ...
-    muon_momentum_start: float = 0.85  # R
-    muon_momentum_warmup_steps: int = 300  # R: ... over these steps
-    ns_steps: int = 5  # R: quintic Newton-Schulz iterations
-    polar_express: bool = False  # 2025-09-29_PolarExpress: a minimax-optimal quintic per iteration (at most 5)
-    normuon: bool = False  # 2025-10-24_NorMuon: normalise the orthogonalised update per neuron by its 2nd moment
-    normuon_beta2: float = 0.95  # same record
-    cautious_wd: bool = False  # 2025-11-10_CautiousWD: decay only where the update and the weight agree in sign
-    muon_cautious_wd: float = 1.2  # same record; applied as lr * wd, so it follows the lr schedule
-    adam_cautious_wd: float = 0.005  # 2025-12-18_CautiousWDAdam: head and embeddings (not the scalars)
-    scalar_adam_beta1: float | None = None  # 2025-12-21_SmoothedScalars: 0.9 for the scalars; none: adam_beta1
-    scalar_adam_beta2: float | None = None  # same record: 0.99; none: adam_beta2
-    adam_beta1: float = 0.8  # R
-    adam_beta2: float = 0.95  # R
-    adam_eps: float = 1e-10  # R
-    head_lr: float = 0.008  # R
-    embed_lr: float = 0.6  # R: token and value embeddings
-    scalar_lr: float = 0.04  # R: lambdas and skip weights
-    matrix_adam_lr: float = 0.001  # hidden matrices' lr when muon is off (best of a sweep on the cpu preset)
-    weight_decay: float = 0.0  # R: none; decoupled, on matrices updated by Adam
-    # systems
-    dtype: str = "bf16"  # activations and embeddings: bf16 | fp32
-    fp8_head: bool = True  # R: FP8 LM head; used only where the GPU supports FP8 (compute capability >= 8.9)
-    attention: str = "auto"  # flex | banded; auto: flex on CUDA, banded (SDPA over key chunks) on CPU
-    compile: str = "auto"  # model | loss (softcap + cross-entropy only) | off; auto: model on CUDA, loss on CPU
-    coordinate_descent_tuning: bool = True  # R's inductor setting with --compile=model: faster kernels, longer compile
-    warmup_steps: int = 10  # untimed steps to compile kernels; state is restored afterwards
-    collective_timeout_s: int = 600  # a dead rank stops the others after this long
-    # logging and accounting
-    log_dir: str = "logs"
-    run_id: str = ""  # default: time, preset and a random suffix
-    log_train_loss: bool = False  # a host sync per step; off for the timed speedrun
-    profile_steps: int = 0  # record this many steps with torch.profiler (Chrome trace per rank)
-    # downstream checks (tools/): off by default, outside the timed region
-    hellaswag_every: int = 0  # HellaSwag acc/acc_norm every N steps and at the end, all ranks' shares summed
-    hellaswag_data: str = ""  # a local HellaSwag JSONL; empty: the pinned validation file, downloaded once
-    sample_at_end: int = 0  # log this many short samples from the final model
-    # checkpoints
-    checkpoint_every: int = 0  # 0: only with checkpoint_final
-    checkpoint_final: bool = False
-    checkpoint_keep: int = 2
-    resume: str = ""  # a checkpoint folder; "latest" (newest under log_dir); "auto" (this run_id's newest, else fresh)
-    stop_after: int = 0  # stop (with a checkpoint) after this step; for preemption tests and resume drills
+    preset: str = flag("auto", "speedrun | cpu; auto picks speedrun when CUDA is present, cpu otherwise",
+                               group="general")
+    recipe: str = flag("reference", "reference (R, bit for bit) | v2: the later records' techniques (TECHNIQUES)")
+    seed: int = flag(0, "model initialisation (data order is fixed by the shards)")
+    train_files: str = flag("data/fineweb10B/fineweb_train_*.bin", "", group="data")
+    val_files: str = flag("data/fineweb10B/fineweb_val_*.bin", "")
+    val_tokens: int = flag(10_485_760, "R: the fixed validation budget every speedrun record is scored on")
+    train_cycle: bool = flag(False, "allow more than one pass over the training shards")
+    bos_align: bool = flag(False, "start every training sequence at a document start")
+    doc_len_cap: int = flag(0, "2025-09-03_FA3: pack documents cut to this many tokens (the rest dropped); 0: off")
+    batch_tokens: int = flag(8 * 48 * 1024, "R: 8 GPUs x 48K tokens per optimizer step, fixed for any world size",
+                                            group="batch: one flat sequence of seq_len tokens per rank per micro-step")
+    seq_len: int = flag(48 * 1024, "R: cut from 64K to 48K per GPU (critical batch size, arXiv 2410.21676)")
+    batch_schedule: str = flag("", "2025-11-29_BatchSizeSchedule: equal-length stages, fractions of batch_tokens "
+                                   "('1/3,2/3,1': the record's 131K -> 262K -> 393K); empty: batch_tokens throughout")
+    batch_lr_exponent: float = flag(0.6, "same record: a stage's lrs are scaled by (its tokens / batch_tokens) ** "
+                                         "0.6")
+    val_seq_len: int = flag(4 * 64 * 1024, "R: 256K-token val sequences cut fewer documents (~0.0015 lower val loss)")
+    num_iterations: int = flag(1770, "R", group="schedule")
+    cooldown_frac: float = flag(0.4, "R: lr decays linearly over this last fraction of training ...")
+    lr_final_frac: float = flag(0.1, "R: ... down to this fraction of the base lr")
+    val_every: int = flag(125, "R")
+    window_final_tokens: int = flag(1728, "R: window grows linearly to next_multiple(1728 * step / 1770, 128) tokens")
+    sliding_window: bool = flag(True, "False: full causal attention within documents (ablation)")
+    vocab_size: int = flag(50257, "GPT-2's BPE vocabulary (the head pads it to 50304, a multiple of 128)",
+                                  group="model (R: 12 x 768, 6 heads of 128; GPT-2 vocabulary, head padded to 50304)")
+    n_layer: int = flag(12, "R: GPT-2 small's depth")
+    model_dim: int = flag(768, "R: GPT-2 small's width")
+    n_head: int = flag(6, "R: 6 heads of 128 (GPT-2 small has 12 of 64)")
+    head_dim: int = flag(128, "R: wide heads, half of each rotated by rotary")
+    attn_scale: float = flag(0.12, "R: fixed attention temperature instead of 1/sqrt(128)")
+    logit_softcap: float = flag(30.0, "R: 30 * sigmoid(logits / 7.5); 0 turns the softcap (and the rescale below) "
+                                      "off")
+    value_embeds: bool = flag(True, "R: three value-embedding tables (value residual, arXiv 2410.17897)")
+    unet_skips: bool = flag(True, "R: encoder layers feed the mirrored decoder layers with learned weights")
+    zero_init: bool = flag(True, "R: zero-init output projections and the head (initial loss ln(50304))")
+    qk_norm: bool = flag(True, "R: rms_norm of queries and keys before rotary")
+    mlp_act: str = flag("relu2", "R: relu(x)^2 (Primer, arXiv 2109.08668) | gelu")
+    bigram_vocab_size: int = flag(0, "2026-01-19_BigramHashEmbedding: rows of a hashed (previous, current) token "
+                                     "table added to every layer's input; 0: off",
+                                     group="model, recipe v2 (each off by default, which is the reference's math)")
+    bigram_dim: int = flag(0, "2026-05-20_BigramsSignTrick: the table's width, added to the stream's first dims; 0: "
+                              "model_dim")
+    bigram_sign: bool = flag(False, "same record: a second hash picks a fixed random +-1 vector per bigram, so rows "
+                                    "shared by several bigrams interfere less")
+    smear: bool = flag(False, "2025-09-18_Smear: a gated share of the previous token's embedding, within the "
+                              "document")
+    attn_gate: bool = flag(False, "2025-08-23_SparseAttnGate: a sigmoid gate per head on the attention output")
+    ve_gates: bool = flag(False, "2025-12-29_VeSkipGates: a sigmoid gate per head on the value embeddings")
+    skip_gates: bool = flag(False, "same record: a 2 * sigmoid gate on each U-net skip, read from the embedding x0")
+    backout: bool = flag(False, "2025-10-04_Backout: subtract a learned share of the stream after 3/4 of the layers "
+                                "before the head")
+    key_offset: bool = flag(False, "2025-12-14_PartialKeyOffset: long-window keys' stationary rotary dims come from "
+                                   "the previous token")
+    paired_heads: bool = flag(False, "2026-01-07_PairedHeadAttention: head pairs attend as one head over interleaved"
+                                     " positions")
+    logit_offset: float = flag(0.0, "2025-12-26_LogitRescale: softcap * sigmoid((logits + offset) / "
+                                    "logit_temperature)")
+    logit_temperature: float = flag(7.5, "R: 30 * sigmoid(logits / 7.5)")
+    mtp_tokens: int = flag(1, "2025-12-22_MultiTokenPrediction: the training loss also predicts the next N-1 tokens "
+                              "after the next; 1: off")
+    muon: bool = flag(True, "R: Muon for hidden matrices; False: Adam for them too (ablation)", group="optimizers")
+    muon_lr: float = flag(0.05, "R")
+    muon_momentum: float = flag(0.95, "R: Nesterov momentum, warmed up from muon_momentum_start ...")
+    muon_momentum_start: float = flag(0.85, "R")
+    muon_momentum_warmup_steps: int = flag(300, "R: ... over these steps")
+    ns_steps: int = flag(5, "R: quintic Newton-Schulz iterations")
+    polar_express: bool = flag(False, "2025-09-29_PolarExpress: a minimax-optimal quintic per iteration (at most 5)")
+    normuon: bool = flag(False, "2025-10-24_NorMuon: normalise the orthogonalised update per neuron by its 2nd "
+                                "moment")
+    normuon_beta2: float = flag(0.95, "same record")
+    cautious_wd: bool = flag(False, "2025-11-10_CautiousWD: decay only where the update and the weight agree in sign")
+    muon_cautious_wd: float = flag(1.2, "same record; applied as lr * wd, so it follows the lr schedule")
+    adam_cautious_wd: float = flag(0.005, "2025-12-18_CautiousWDAdam: head and embeddings (not the scalars)")
+    scalar_adam_beta1: float | None = flag(None, "2025-12-21_SmoothedScalars: 0.9 for the scalars; none: adam_beta1")
+    scalar_adam_beta2: float | None = flag(None, "same record: 0.99; none: adam_beta2")
+    adam_beta1: float = flag(0.8, "R")
+    adam_beta2: float = flag(0.95, "R")
+    adam_eps: float = flag(1e-10, "R")
+    head_lr: float = flag(0.008, "R")
+    embed_lr: float = flag(0.6, "R: token and value embeddings")
+    scalar_lr: float = flag(0.04, "R: lambdas and skip weights")
+    matrix_adam_lr: float = flag(0.001, "hidden matrices' lr when muon is off (best of a sweep on the cpu preset)")
+    weight_decay: float = flag(0.0, "R: none; decoupled, on matrices updated by Adam")
+    dtype: str = flag("bf16", "activations and embeddings: bf16 | fp32", group="systems")
+    fp8_head: bool = flag(True, "R: FP8 LM head; used only where the GPU supports FP8 (compute capability >= 8.9)")
+    attention: str = flag("auto", "flex | banded; auto: flex on CUDA, banded (SDPA over key chunks) on CPU")
+    compile: str = flag("auto", "model | loss (softcap + cross-entropy only) | off; auto: model on CUDA, loss on CPU")
+    coordinate_descent_tuning: bool = flag(True, "R's inductor setting with --compile=model: faster kernels, longer "
+                                                 "compile")
+    warmup_steps: int = flag(10, "untimed steps to compile kernels; state is restored afterwards")
+    collective_timeout_s: int = flag(600, "a dead rank stops the others after this long")
+    log_dir: str = flag("logs", "", group="logging and accounting")
+    run_id: str = flag("", "default: time, preset and a random suffix")
+    log_train_loss: bool = flag(False, "a host sync per step; off for the timed speedrun")
+    profile_steps: int = flag(0, "record this many steps with torch.profiler (Chrome trace per rank)")
+    hellaswag_every: int = flag(0, "HellaSwag acc/acc_norm every N steps and at the end, all ranks' shares summed",
+                                   group="downstream checks (tools/): off by default, outside the timed region")
+    hellaswag_data: str = flag("", "a local HellaSwag JSONL; empty: the pinned validation file, downloaded once")
+    sample_at_end: int = flag(0, "log this many short samples from the final model")
+    checkpoint_every: int = flag(0, "0: only with checkpoint_final", group="checkpoints")
+    checkpoint_final: bool = flag(False, "")
+    checkpoint_keep: int = flag(2, "")
+    resume: str = flag("", "a checkpoint folder; 'latest' (newest under log_dir); 'auto' (this run_id's newest, else"
+                           " fresh)")
+    stop_after: int = flag(0, "stop (with a checkpoint) after this step; for preemption tests and resume drills")
 
 
 PRESETS = {
@@ -233,94 +229,19 @@ PRESETS = {
     ),
 }
 
-@dataclass(frozen=True)
-class FieldType:
-    """How the command line sets a hyperparameter: its kind, and whether 'none' sets it to None."""
-    kind: type  # bool | int | float | str
-    optional: bool = False  # annotated `kind | None`
-
-    def __str__(self) -> str:
-        return self.kind.__name__ + (" or none" if self.optional else "")
-
-    def holds(self, value: object) -> bool:
-        """Whether a JSON value (a checkpoint's record) is of this kind: an int passes for a float, a bool for
-        nothing but a bool."""
-        if value is None or isinstance(value, bool):
-            return value is None and self.optional or isinstance(value, bool) and self.kind is bool
-        return isinstance(value, (int, float) if self.kind is float else self.kind)
-
-
-def field_types(cls: type = Hyperparameters) -> dict[str, FieldType]:
-    """Every field's FieldType, read from its annotation: bool, int, float, str, or one of them | None.
-    Any other annotation is refused in one line (the command line could not set it)."""
-    hints = typing.get_type_hints(cls)
-    out = {}
-    for f in fields(cls):
-        hint = hints[f.name]
-        parts = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
-        kinds = [k for k in parts if k is not type(None)]
-        if len(kinds) != 1 or kinds[0] not in (bool, int, float, str):
-            raise UsageError(f"hyperparameter {f.name} is annotated {hint}, which the command line cannot set: "
-                             "use bool, int, float, str, or one of them | None")
-        out[f.name] = FieldType(kinds[0], optional=len(parts) > len(kinds))
-    return out
-
-
-def parse_value(ftype: FieldType, text: str):
-    if ftype.optional and text.lower() == "none":
-        return None
-    if ftype.kind is bool:
-        lowered = text.lower()
-        if lowered in ("1", "true", "yes", "on"):
-            return True
-        if lowered in ("0", "false", "no", "off"):
-            return False
-        raise ValueError("expected true/false")
-    return ftype.kind(text)
-
-
-def help_text() -> str:
-    """What --help prints: every flag in the dataclass's groups, with its default (the speedrun preset's), the cpu
-    preset's value where it differs, and its comment, all read from the Hyperparameters source itself."""
-    lines = ["usage: torchrun --nproc_per_node=N train_gpt.py [--name=value ...]   (one process: python train_gpt.py)",
-             "Every flag is --name=value (a bare --name sets a switch true). Defaults are the speedrun preset's; "
-             "[cpu: x] is --preset=cpu's value.", "", "general:"]
-    for line in inspect.getsource(Hyperparameters).splitlines()[3:]:
-        text = line.strip()
-        if text.startswith("# "):
-            lines += ["", text[2:] + ":"]
-            continue
-        name, comment = text.partition(":")[0], text.partition("#")[2].strip()
-        if hasattr(Hyperparameters, name):
-            cpu = PRESETS["cpu"].get(name)
-            lines.append(f"  --{name}={flag_text(getattr(Hyperparameters, name))}"
-                         + (f" [cpu: {flag_text(cpu)}]" if cpu is not None else "") + (f"  {comment}" if comment else ""))
-    return "\n".join(lines)
-
-
-def flag_text(value: object) -> str:
-    """A value as the command line writes it: true/false, none, the rest as is."""
-    return str(value).lower() if isinstance(value, bool) or value is None else str(value)
-
-
-def parse_overrides(argv: list[str]) -> dict[str, object]:
-    """The values the command line sets, `--name=value` each (a bare --name sets a switch true); unknown names
-    and values of the wrong kind are refused."""
-    types = field_types()
-    overrides: dict[str, object] = {}
-    for arg in argv:
-        name, sep, text = arg.removeprefix("--").partition("=")
-        if not arg.startswith("--") or name not in types:
-            raise UsageError(f"unknown argument {arg!r}; valid: " + " ".join(f"--{n}=" for n in types))
-        if not sep:
-            if types[name].kind is not bool:
-                raise UsageError(f"--{name} needs a value: --{name}=<{types[name]}>")
-            text = "true"
-        try:
-            overrides[name] = parse_value(types[name], text)
-        except ValueError:
-            raise UsageError(f"bad value {text!r} for --{name}: expected {types[name]}") from None
-    return overrides
+def help_text(overrides: dict[str, object]) -> str:
+    """What --help prints: every flag in its group with its value under the preset and recipe on the command line
+    (the speedrun preset's reference recipe by default), the other presets' values where they differ, and what
+    it does."""
+    preset = overrides.get("preset", "speedrun")
+    chosen = resolve_hyperparameters({**overrides, "preset": preset if preset != "auto" else "speedrun"}, False)
+    others = {name: resolve_hyperparameters({**overrides, "preset": name}, False) for name in PRESETS
+              if name != chosen.preset}
+    return "\n".join([
+        "usage: torchrun --nproc_per_node=N train_gpt.py [--name=value ...]   (one process: python train_gpt.py)",
+        f"Every flag is --name=value (a bare --name sets a switch true). Values shown: the {chosen.preset} preset, "
+        f"recipe {chosen.recipe} (--preset=NAME --recipe=NAME --help shows another); [name: x] is another "
+        "preset's value.", *help_lines(chosen, others, same=("preset",))])
 
 
 def resolve_hyperparameters(overrides: dict[str, object], cuda_available: bool) -> Hyperparameters:
@@ -340,7 +261,7 @@ def resolve_hyperparameters(overrides: dict[str, object], cuda_available: bool) 
 
 def parse_args(argv: list[str], cuda_available: bool) -> Hyperparameters:
     """`--name=value` overrides applied on top of a preset; unknown names and bad values are refused."""
-    return resolve_hyperparameters(parse_overrides(argv), cuda_available)
+    return resolve_hyperparameters(parse_overrides(Hyperparameters, argv), cuda_available)
 
 
 # What a resumed run does not take from its checkpoint: where to find it and how to name this launch, the
@@ -354,19 +275,19 @@ def resumed_hyperparameters(recorded: dict, overrides: dict[str, object], fresh:
     """A resumed run continues the run it resumes: every hyperparameter the checkpoint recorded, except the
     per-launch ones and those the command line sets. Returns them with the run-log lines that say which values
     came from where (where the checkpoint and this command line alone would disagree)."""
-    types = field_types()
+    kinds = field_types(Hyperparameters)
     for name in ("preset", "recipe"):
         if name in overrides and name in recorded and overrides[name] != recorded[name]:
             raise UsageError(f"--{name}={overrides[name]} differs from checkpoint {path}'s {name} {recorded[name]}: "
                              f"a resumed run keeps its {name}; drop --{name}, or start a new run")
     carried = {}
     for name, value in recorded.items():
-        if name not in types or name in PER_LAUNCH_FIELDS or name in overrides:
+        if name not in kinds or name in PER_LAUNCH_FIELDS or name in overrides:
             continue  # a field this train_gpt.py no longer has, or one this launch sets itself
-        if not types[name].holds(value):
-            raise UsageError(f"checkpoint {path} records {name}={value!r}, not a {types[name]}: its checkpoint.json "
+        if not kinds[name].holds(value):
+            raise UsageError(f"checkpoint {path} records {name}={value!r}, not a {kinds[name]}: its checkpoint.json "
                              "is edited or corrupt; resume from an earlier checkpoint")
-        carried[name] = float(value) if types[name].kind is float and value is not None else value
+        carried[name] = float(value) if kinds[name].kind is float and value is not None else value
     args = Hyperparameters(**{**dataclasses.asdict(fresh), **carried, **overrides})
     validate_args(args)
     kept = [f"{n}={flag_text(v)}" for n, v in carried.items() if v != getattr(fresh, n)]
@@ -379,41 +300,6 @@ def resumed_hyperparameters(recorded: dict, overrides: dict[str, object], fresh:
     return args, lines
 
 
-@dataclass(frozen=True)
-class Rule:
-    """What one flag accepts: a predicate and the valid range as the error message states it."""
-    ok: object  # value -> bool
-    valid: str
-
-
-def integer(lo: int, hi: int | None = None) -> Rule:
-    return Rule(lambda v: lo <= v and (hi is None or v <= hi),
-                f"an integer at least {lo}" if hi is None else f"an integer in [{lo}, {hi}]")
-
-
-def number(lo: float, hi: float = math.inf, hi_open: bool = False, lo_open: bool = False) -> Rule:
-    """A finite float in the interval (NaN and inf are refused everywhere: they only ever mean a typo)."""
-    def ok(v):
-        return math.isfinite(v) and (v > lo if lo_open else v >= lo) and (v < hi if hi_open else v <= hi)
-    left, right = "(" if lo_open else "[", ")" if hi_open or hi == math.inf else "]"
-    return Rule(ok, f"a finite number in {left}{lo:g}, {'inf' if hi == math.inf else f'{hi:g}'}{right}")
-
-
-def one_of(*allowed: str) -> Rule:
-    return Rule(lambda v: v in allowed, "one of " + ", ".join(allowed))
-
-
-ANY_BOOL = Rule(lambda v: isinstance(v, bool), "true or false")  # a checkpoint's JSON could hold anything
-ANY_TEXT = Rule(lambda v: True, "any text")
-NON_EMPTY = Rule(lambda v: v != "", "a non-empty path or glob")
-# A run id names a log file and a folder directly under --log_dir, so it must not be a path.
-PLAIN_NAME = Rule(lambda v: v == "" or (v not in (".", "..") and v[0] != "." and
-                                        all(c.isascii() and (c.isalnum() or c in "._+=-") for c in v)),
-                  "a plain name of letters, digits and ._+=- (no path separators, no leading dot), "
-                  "or empty for a fresh name")
-UNIT = number(0.0, 1.0)
-
-
 def stage_fractions(text: str) -> list[Fraction] | None:
     """--batch_schedule's stages as exact fractions of batch_tokens; None if the text is not such a list."""
     try:
@@ -421,11 +307,6 @@ def stage_fractions(text: str) -> list[Fraction] | None:
     except (ValueError, ZeroDivisionError):
         return None
     return out if all(0 < f <= 1 for f in out) else None
-
-
-BETA = number(0.0, 1.0, hi_open=True)  # a decay of 1 never forgets; above 1 it diverges
-OPTIONAL_BETA = Rule(lambda v: v is None or BETA.ok(v), BETA.valid + ", or none")
-LR = number(0.0)
 
 
 # -----------------------------------------------------------------------------
@@ -630,11 +511,6 @@ def left_out_line(args: Hyperparameters) -> str | None:
         f"{t.name}: {t.left_out[args.preset]} ({' '.join(as_flags(t.v2['speedrun']))} adds it)" for t in missing)
 
 
-def as_flags(values: dict[str, object]) -> list[str]:
-    """Hyperparameter values as the command-line arguments that set them."""
-    return [f"--{name}={flag_text(value)}" for name, value in values.items()]
-
-
 def check_techniques(args: Hyperparameters) -> None:
     """Refuses, in one line, a technique's flags that conflict with each other or with the shape."""
     for technique in TECHNIQUES:
@@ -728,6 +604,137 @@ def validate_args(args: Hyperparameters) -> None:
                          "log_dir/NAME (and never another run's)")
 
 
+# What a resumed run must share with its checkpoint: the model's shape and the optimizers' layout.
+MODEL_SHAPE_FIELDS = ("vocab_size", "n_layer", "model_dim", "n_head", "head_dim", "value_embeds", "unet_skips")
+# which matrices Muon owns, and what state it keeps for them
+OPTIMIZER_STRUCTURE_FIELDS = ("muon",) + tuple(t.switch for t in TECHNIQUES if t.optimizer_state)
+
+
+def check_compatible(path: Path, meta: dict, args: Hyperparameters) -> None:
+    """Refuses a checkpoint this run cannot continue: another model shape or optimizer layout, or no
+    steps left to train. Any world size can continue any other's checkpoint."""
+    for names, what in ((MODEL_SHAPE_FIELDS, "model"), (OPTIMIZER_STRUCTURE_FIELDS, "optimizer")):
+        for name in names:
+            saved = meta["hyperparameters"].get(name, "(not recorded)")
+            if saved != getattr(args, name):
+                raise UsageError(f"checkpoint {path} has {name}={saved} but this run has {name}={getattr(args, name)}; "
+                                 f"pass the same {what} flags to resume it")
+    if meta["step"] >= args.num_iterations:
+        raise UsageError(f"checkpoint {path} is at step {meta['step']}, at or past --num_iterations="
+                         f"{args.num_iterations}: nothing is left to train; pass a larger --num_iterations")
+
+
+def structure_flags(args: Hyperparameters) -> dict[str, object]:
+    """The hyperparameters that decide which tensors a checkpoint holds (the model's and the optimizers' layout),
+    with this run's values: what a checkpoint of other tensors is compared by."""
+    return {name: getattr(args, name) for name in [f.name for f in fields(ModelConfig)] + list(OPTIMIZER_STRUCTURE_FIELDS)
+            if hasattr(args, name)}
+
+
+# -----------------------------------------------------------------------------
+# Supported torch releases (README, "Supported torch"): checked at start-up, their differences absorbed here once
+
+SUPPORTED_TORCH = ((2, 10), (2, 13))  # the oldest and newest minor releases the README's table says were checked
+PINNED_TORCH = "2.13.0"  # requirements.txt's pin, under which the records reproduce
+MIN_PYTHON = (3, 11)  # hashlib.file_digest (the checkpoints' file records)
+
+
+@dataclass(frozen=True)
+class TorchAPI:
+    """The torch calls whose names differ across SUPPORTED_TORCH, resolved once at import. Every other call this file
+    makes has the same name, signature and behaviour from 2.10 to 2.13 (compared release by release)."""
+    all_gather_flat: typing.Callable  # 2.13 renamed dist.all_gather_into_tensor (now deprecated) all_gather_single
+    reduce_scatter_flat: typing.Callable  # and dist.reduce_scatter_tensor reduce_scatter_single
+
+
+def torch_api() -> TorchAPI:
+    """The new names where this torch has them, else the old ones (never read first: a later torch may drop them)."""
+    return TorchAPI(all_gather_flat=getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor,
+                    reduce_scatter_flat=getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)
+
+
+TORCH_API = torch_api()
+
+
+def torch_release(version: str) -> tuple[int, int]:
+    """(major, minor) of a torch version: '2.11.0+cu130' and '2.14.0.dev20260101' alike."""
+    major, minor = version.split("+")[0].split(".")[:2]
+    return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
+
+
+def tested_range() -> str:
+    (a, b), (c, d) = SUPPORTED_TORCH
+    return f"{a}.{b} to {c}.{d}"
+
+
+def torch_release_problem(version: str, python: tuple[int, int]) -> str:
+    """Why this torch or Python cannot run train_gpt.py ('' when they can): a torch older than SUPPORTED_TORCH misses
+    or names differently what this file calls, and fails late, inside a compiled graph or at the first checkpoint."""
+    if python < MIN_PYTHON:
+        return (f"Python {python[0]}.{python[1]} is older than train_gpt.py needs (>= {MIN_PYTHON[0]}.{MIN_PYTHON[1]}): "
+                "use Python 3.11 or newer (the Dockerfile's image has 3.12)")
+    if torch_release(version) < SUPPORTED_TORCH[0]:
+        return (f"torch {version} is older than the releases train_gpt.py supports ({tested_range()}): "
+                f"pip install torch=={PINNED_TORCH} (or any release from {tested_range()}; README, \"Supported torch\")")
+    return ""
+
+
+def newer_torch_warning(version: str) -> str:
+    """A run log line for a torch newer than SUPPORTED_TORCH, which runs: torch keeps a renamed call's old name for
+    releases (2.13 did), and the speedrun's users run nightlies; refusing them would stop runs that work."""
+    if torch_release(version) <= SUPPORTED_TORCH[1]:
+        return ""
+    return (f"warning: torch {version} is newer than the releases train_gpt.py is tested under ({tested_range()}); "
+            f"if start-up or compilation fails, pip install torch=={PINNED_TORCH}")
+
+
+def nvidia_gpus() -> int:
+    """The GPUs the NVIDIA driver lists (nvidia-smi, as run.sh counts them); 0 without its tools."""
+    if shutil.which("nvidia-smi") is None:
+        return 0
+    try:
+        smi = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                             text=True, timeout=20)
+    except (OSError, subprocess.TimeoutExpired):
+        return 0
+    return len(smi.stdout.splitlines()) if smi.returncode == 0 else 0
+
+
+def unusable_gpus_problem(preset: object) -> str:
+    """Why a GPU node's torch cannot train here ('' when it can): a CPU-only wheel, or one built for a newer CUDA
+    than the driver, would otherwise train on the CPU after torch's multi-line warning. --preset=cpu asks for that."""
+    with warnings.catch_warnings(record=True) as caught:  # "CUDA initialization: ... driver ... too old": said below
+        warnings.simplefilter("always")
+        if torch.cuda.is_available() or preset == "cpu":
+            return ""
+    gpus = nvidia_gpus()
+    if not gpus:
+        return ""
+    build = "a CPU-only build" if torch.version.cuda is None else f"built for CUDA {torch.version.cuda}"
+    said = next((str(w.message).strip().splitlines()[0][:200] for w in caught if "CUDA" in str(w.message)), "")
+    return (f"nvidia-smi lists {gpus} GPU(s) but torch {torch.__version__} ({build}) cannot use them"
+            + (f" ({said})" if said else "") + ": install a torch wheel built for this driver's CUDA version "
+            "(nvidia-smi's header names it; README, \"Supported torch\"), or pass --preset=cpu to train on the CPU")
+
+
+def check_torch_install(preset: object) -> None:
+    """Start-up's first check, before anything touches a device (preset: the command line's --preset, if any)."""
+    problem = torch_release_problem(torch.__version__, sys.version_info[:2]) or unusable_gpus_problem(preset)
+    if problem:
+        raise UsageError(problem)
+
+
+def device_notes(args: Hyperparameters, rt: "Runtime") -> list[str]:
+    """Run log lines on what this torch and device change: a torch newer than the tested range; a GPU without FP8
+    matmuls, whose LM head runs in bf16."""
+    notes = [newer_torch_warning(torch.__version__)]
+    if args.fp8_head and rt.is_cuda and not rt.fp8_head:
+        major, minor = torch.cuda.get_device_capability(rt.device)
+        notes.append(f"fp8 head: off: {torch.cuda.get_device_name(rt.device)} (compute capability {major}.{minor}) "
+                     "has no FP8 matmuls (needs >= 8.9, as H100, H200, L40S); the LM head runs in bf16")
+    return [note for note in notes if note]
+
+
 # -----------------------------------------------------------------------------
 # Distributed setup and device choices (decided once, here)
 
@@ -763,11 +770,31 @@ class Runtime(Place):
     compile_attention: bool = False  # flex_attention compiled on its own: the model around it is not compiled
     host_malloc: str = "default"  # glibc's settings on a CPU run (keep_freed_host_memory)
 
+    # What a whole-model compile (--compile=model) decides besides the model, each in one place:
+    @property
+    def compile_fp8(self) -> bool:
+        """The FP8 head's insides compiled by inductor (fp8_kernel), as the record compiles them."""
+        return self.fp8_head and self.compile == "model"
+
+    @property
+    def compile_newton_schulz(self) -> bool:
+        """The record compiles Newton-Schulz: its five bf16 iterations fuse into a few kernels per shape."""
+        return self.compile == "model"
+
+    @property
+    def grad_sync_from_hooks(self) -> bool:
+        """Reduce-scatters launched from gradient hooks during backward. Under a compiled backward the hooks fire
+        only after all of it (bench/overlap_probe.py), so GradientSync launches every bucket at the end instead,
+        in the order the optimizers consume them."""
+        return self.compile != "model"
+
     def resolved(self) -> dict:
         """What start-up decided (not what was asked for): the summary and checkpoints record this."""
         return {"attention": self.attention, "fp8_head": self.fp8_head, "compile": self.compile,
                 "dtype": str(self.dtype).removeprefix("torch."), "device": str(self.device),
                 "chunked_loss": self.chunked_loss, "compile_attention": self.compile_attention,
+                "compile_fp8": self.compile_fp8, "compile_newton_schulz": self.compile_newton_schulz,
+                "grad_sync_from_hooks": self.grad_sync_from_hooks,
                 "host_malloc": self.host_malloc, "world_size": self.world_size}
 
 
@@ -1284,30 +1311,24 @@ class BandedAttention:
     attend = staticmethod(banded_attention)
 
 
-def flex_attention(*args, **kwargs) -> Tensor:
-    from torch.nn.attention.flex_attention import flex_attention as kernel
-    return FLEX_KERNEL.get("attend", kernel)(*args, **kwargs)
-
-
-FLEX_KERNEL: dict = {}  # "attend": flex_attention compiled on its own (compile_flex_attention), when set
-
-
-def compile_flex_attention() -> None:
-    from torch.nn.attention.flex_attention import flex_attention as kernel
-    FLEX_KERNEL["attend"] = torch.compile(kernel, dynamic=False)
-
-
 class FlexAttention:
-    """Block-sparse FlexAttention: CUDA (its backward does not run on CPU)."""
+    """Block-sparse FlexAttention: CUDA (its backward does not run on CPU). compiled: flex_attention compiled on
+    its own, for a model that is not compiled around it (uncompiled, it would build the dense score matrix: 58 GB
+    per layer at 48K tokens)."""
     build_mask = staticmethod(sliding_window_block_mask)
 
-    @staticmethod
-    def attend(q: Tensor, k: Tensor, v: Tensor, mask, scale: float) -> Tensor:
-        y = flex_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=mask, scale=scale)
+    def __init__(self, compiled: bool = False):
+        from torch.nn.attention.flex_attention import flex_attention
+        self.kernel = torch.compile(flex_attention, dynamic=False) if compiled else flex_attention
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, mask, scale: float) -> Tensor:
+        y = self.kernel(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=mask, scale=scale)
         return y.transpose(1, 2)
 
 
-ATTENTION_BACKENDS = {"banded": BandedAttention, "flex": FlexAttention}
+def attention_backend(name: str, compiled: bool = False):
+    """The attention a model runs: "banded" or "flex" (compiled on its own, or not)."""
+    return FlexAttention(compiled) if name == "flex" else BandedAttention()
 
 
 def attention_with(backend, mask):
@@ -1342,38 +1363,36 @@ def fp8_backward_math(grad: Tensor, x_f8: Tensor, w_f8: Tensor, x_scale: float, 
     return grad_x, grad_w
 
 
-# A custom op is opaque to the model's torch.compile, so its scaling, casts and transposes would run as
-# separate eager kernels (about 10 GB of extra memory traffic per step on a 49152x50304 gradient); the
-# record compiles the op's insides. compile_fp8_kernels() switches to that, once, at start-up.
-FP8_KERNELS = {"forward": fp8_forward_math, "backward": fp8_backward_math}
-
-
-def compile_fp8_kernels(backend: str = "inductor") -> None:
-    FP8_KERNELS["forward"] = torch.compile(fp8_forward_math, dynamic=False, fullgraph=True, backend=backend)
-    FP8_KERNELS["backward"] = torch.compile(fp8_backward_math, dynamic=False, fullgraph=True, backend=backend)
+def fp8_kernel(math, backend: str):
+    """The FP8 math as an op runs it: "eager", or compiled by a torch.compile backend ("inductor": the trainer's
+    choice with --compile=model). A custom op is opaque to the model's torch.compile, so its scaling, casts and
+    transposes would otherwise run as separate eager kernels (about 10 GB of extra memory traffic per step on a
+    49152x50304 gradient); the record compiles the op's insides the same way, inside the op. torch.compile caches
+    what it compiles by the function's code, so making the wrapper at each call compiles once."""
+    return math if backend == "eager" else torch.compile(math, dynamic=False, fullgraph=True, backend=backend)
 
 
 @torch.library.custom_op("speedrun::fp8_matmul", mutates_args=())
-def fp8_matmul(x: Tensor, w: Tensor, x_scale: float, w_scale: float) -> tuple[Tensor, Tensor, Tensor]:
-    """x @ w.T in FP8; also returns the FP8 operands for the backward pass."""
-    return FP8_KERNELS["forward"](x, w, x_scale, w_scale)
+def fp8_matmul(x: Tensor, w: Tensor, x_scale: float, w_scale: float, backend: str) -> tuple[Tensor, Tensor, Tensor]:
+    """x @ w.T in FP8, its math run as fp8_kernel(backend) runs it; also returns the FP8 operands for backward."""
+    return fp8_kernel(fp8_forward_math, backend)(x, w, x_scale, w_scale)
 
 
 @fp8_matmul.register_fake
-def _(x: Tensor, w: Tensor, x_scale: float, w_scale: float):
+def _(x: Tensor, w: Tensor, x_scale: float, w_scale: float, backend: str):
     return (x.new_empty(x.shape[0], w.shape[0], dtype=torch.bfloat16),
             torch.empty_like(x, dtype=torch.float8_e4m3fn), torch.empty_like(w, dtype=torch.float8_e4m3fn))
 
 
 @torch.library.custom_op("speedrun::fp8_matmul_backward", mutates_args=())
 def fp8_matmul_backward(grad: Tensor, x_f8: Tensor, w_f8: Tensor, x_scale: float, w_scale: float,
-                        grad_scale: float) -> tuple[Tensor, Tensor]:
+                        grad_scale: float, backend: str) -> tuple[Tensor, Tensor]:
     """grad_x = grad @ w and grad_w = grad.T @ x from two scaled matmuls; grad_w accumulates in fp32."""
-    return FP8_KERNELS["backward"](grad, x_f8, w_f8, x_scale, w_scale, grad_scale)
+    return fp8_kernel(fp8_backward_math, backend)(grad, x_f8, w_f8, x_scale, w_scale, grad_scale)
 
 
 @fp8_matmul_backward.register_fake
-def _(grad: Tensor, x_f8: Tensor, w_f8: Tensor, x_scale: float, w_scale: float, grad_scale: float):
+def _(grad: Tensor, x_f8: Tensor, w_f8: Tensor, x_scale: float, w_scale: float, grad_scale: float, backend: str):
     return (x_f8.new_empty(x_f8.shape, dtype=torch.bfloat16), w_f8.new_empty(w_f8.shape, dtype=torch.float32))
 
 
@@ -1381,24 +1400,25 @@ FP8_SCALES = dict(x_scale=2.0, w_scale=2.0 ** 9, grad_scale=2.0 ** 19)  # R (w f
 
 
 def _fp8_setup_context(ctx, inputs, output):
-    _, _, x_scale, w_scale = inputs
+    _, _, x_scale, w_scale, backend = inputs
     ctx.save_for_backward(output[1], output[2])
-    ctx.scales = (x_scale, w_scale)
+    ctx.scales, ctx.backend = (x_scale, w_scale), backend
 
 
 def _fp8_backward(ctx, grad_out, *_):
     x_f8, w_f8 = ctx.saved_tensors
-    grad_x, grad_w = fp8_matmul_backward(grad_out, x_f8, w_f8, *ctx.scales, FP8_SCALES["grad_scale"])
-    return grad_x, grad_w, None, None
+    grad_x, grad_w = fp8_matmul_backward(grad_out, x_f8, w_f8, *ctx.scales, FP8_SCALES["grad_scale"], ctx.backend)
+    return grad_x, grad_w, None, None, None
 
 
 fp8_matmul.register_autograd(_fp8_backward, setup_context=_fp8_setup_context)
 
 
 class CastedLinear(nn.Linear):
-    """fp32 master weight, used in the activation dtype; optionally FP8 in training (the head)."""
+    """fp32 master weight, used in the activation dtype; optionally FP8 in training (the head): fp8 names how
+    fp8_matmul runs its math (fp8_kernel), None keeps the activation dtype."""
 
-    def __init__(self, in_features: int, out_features: int, zero_init: bool = False, fp8: bool = False):
+    def __init__(self, in_features: int, out_features: int, zero_init: bool = False, fp8: str | None = None):
         super().__init__(in_features, out_features, bias=False)
         self.fp8 = fp8
         bound = math.sqrt(3) * 0.5 / math.sqrt(in_features)  # uniform with std 0.5/sqrt(fan_in)
@@ -1406,8 +1426,8 @@ class CastedLinear(nn.Linear):
             self.weight.zero_() if zero_init else self.weight.uniform_(-bound, bound)
 
     def forward(self, x: Tensor) -> Tensor:
-        if self.fp8 and self.training:
-            out = fp8_matmul(x.flatten(0, -2), self.weight, FP8_SCALES["x_scale"], FP8_SCALES["w_scale"])[0]
+        if self.fp8 is not None and self.training:
+            out = fp8_matmul(x.flatten(0, -2), self.weight, FP8_SCALES["x_scale"], FP8_SCALES["w_scale"], self.fp8)[0]
             return out.view(*x.shape[:-1], -1)
         return F.linear(x, self.weight.type_as(x))
 
@@ -1438,24 +1458,41 @@ BIGRAM_LAMBDA_INIT = 0.05  # same record: every layer adds 0.05 x the bigram emb
 BACKOUT_LAMBDA_INIT = 0.5  # 2025-10-04_Backout
 
 
-# The model's share of the hyperparameters: the reference's shape and math, and every model technique's flags.
-REFERENCE_MODEL_FIELDS = ("vocab_size", "n_layer", "model_dim", "n_head", "head_dim", "attn_scale", "qk_norm",
-                          "zero_init", "mlp_act", "value_embeds", "unet_skips", "logit_softcap", "logit_temperature")
+@dataclass(frozen=True)
+class ModelConfig:
+    """The model's share of the hyperparameters (same names and kinds): the reference's shape and math, every
+    model technique's flags (tests/test_config.py holds this list to TECHNIQUES), and the positions the rotary
+    tables cover."""
+    vocab_size: int
+    n_layer: int
+    model_dim: int
+    n_head: int
+    head_dim: int
+    attn_scale: float
+    qk_norm: bool
+    zero_init: bool
+    mlp_act: str
+    value_embeds: bool
+    unet_skips: bool
+    logit_softcap: float
+    logit_temperature: float
+    bigram_vocab_size: int
+    bigram_dim: int
+    bigram_sign: bool
+    smear: bool
+    attn_gate: bool
+    ve_gates: bool
+    skip_gates: bool
+    backout: bool
+    key_offset: bool
+    paired_heads: bool
+    logit_offset: float
+    max_seq_len: int  # the longer of training and validation sequences
 
-
-def model_config_class() -> type:
-    """ModelConfig: a frozen dataclass of those Hyperparameters fields (same names and kinds), plus max_seq_len,
-    the positions the rotary tables cover (the longer of training and validation sequences)."""
-    kinds = field_types()
-    names = REFERENCE_MODEL_FIELDS + tuple(name for t in TECHNIQUES if t.part == "model" for name in t.flags)
-    cls = dataclasses.make_dataclass("ModelConfig", [(name, kinds[name].kind) for name in names]
-                                     + [("max_seq_len", int)], frozen=True)
-    cls.of = staticmethod(lambda args: cls(max_seq_len=max(args.seq_len, args.val_seq_len),
-                                           **{name: getattr(args, name) for name in names}))
-    return cls
-
-
-ModelConfig = model_config_class()
+    @staticmethod
+    def of(args: Hyperparameters) -> "ModelConfig":
+        shared = {f.name: getattr(args, f.name) for f in fields(ModelConfig) if f.name != "max_seq_len"}
+        return ModelConfig(**shared, max_seq_len=max(args.seq_len, args.val_seq_len))
 
 
 def sigmoid_gate(x: Tensor, weight: Tensor) -> Tensor:
@@ -1614,18 +1651,19 @@ def smear(x: Tensor, gate: Tensor, doc_start: Tensor) -> Tensor:
 
 class GPT(nn.Module):
     """The model of a ModelConfig. What the machine decides comes in from build_model: the attention backend
-    (ATTENTION_BACKENDS), the FP8 head, and the loss path (LossPath); the tools' KV cache comes with decode()."""
+    (attention_backend: banded or flex, compile_attention), the FP8 head's kernels (fp8_kernels: None for none,
+    else how fp8_kernel runs them) and the loss path (LossPath); the tools' KV cache comes with decode()."""
 
-    def __init__(self, cfg: ModelConfig, attention: str = "banded", fp8_head: bool = False,
-                 loss: "LossPath | None" = None):
+    def __init__(self, cfg: ModelConfig, attention: str = "banded", compile_attention: bool = False,
+                 fp8_kernels: str | None = None, loss: "LossPath | None" = None):
         super().__init__()
         self.loss = loss = LossPath() if loss is None else loss
-        if loss.chunked and fp8_head:
+        if loss.chunked and fp8_kernels is not None:
             raise ValueError("the chunked head + loss computes the head in the activation dtype, not FP8")
         self.config = cfg
         self.roles = LayerRoles.for_depth(cfg.n_layer, cfg.value_embeds, cfg.paired_heads, cfg.key_offset,
                                           cfg.backout)
-        self.backend = ATTENTION_BACKENDS[attention]
+        self.backend = attention_backend(attention, compile_attention)
         self.vocab_size, self.unet = cfg.vocab_size, cfg.unet_skips
         self.softcap = Softcap(cfg.logit_softcap, cfg.logit_temperature, cfg.logit_offset)
         self.embed = nn.Embedding(cfg.vocab_size, cfg.model_dim)
@@ -1644,7 +1682,7 @@ class GPT(nn.Module):
         self.smear_lambda = nn.Parameter(torch.zeros(1)) if cfg.smear else None  # the record: no smear at first
         self.backout_lambda = nn.Parameter(torch.tensor([BACKOUT_LAMBDA_INIT])) if cfg.backout else None
         self.lm_head = CastedLinear(cfg.model_dim, next_multiple(cfg.vocab_size, 128), zero_init=cfg.zero_init,
-                                    fp8=fp8_head)
+                                    fp8=fp8_kernels)
 
     def forward(self, tokens: Tensor, targets: Tensor, windows: Tensor, mtp_weights: Tensor | None = None) -> Tensor:
         """Mean cross-entropy of one flat sequence (T,) of documents. windows: the (long, short) window
@@ -1737,6 +1775,23 @@ class GPT(nn.Module):
     def context_len(self) -> int:
         """Positions the rotary tables cover: the longest sequence the model can take."""
         return self.config.max_seq_len
+
+    # What a caller outside training (evaluation.py, tools/) builds its inputs with: every document starts with
+    # eot_token, a sequence is whole blocks, and windows are (long, short) pairs of blocks.
+    eot_token = EOT_TOKEN
+    block_size = BLOCK_SIZE
+
+    def window(self, long_blocks: int) -> Tensor:
+        """The windows input for a fixed long window, on the model's device."""
+        return window_tensor(long_blocks, self.embed.weight.device)
+
+    def kv_cache(self, long_blocks: int, max_len: int | None = None) -> "KVCache":
+        """An empty cache for decode() with a fixed long window."""
+        return KVCache(self, window_tensor(long_blocks), max_len)
+
+    def softcapped(self, logits: Tensor) -> Tensor:
+        """Head outputs as the loss sees them: fp32, through the model's softcap."""
+        return apply_softcap(logits, self.softcap)
 
 
 class KVCache:
@@ -1960,11 +2015,9 @@ def check_model_inputs(tokens: Tensor, targets: Tensor, windows: Tensor, vocab_s
 def build_model(args: Hyperparameters, rt: Runtime) -> GPT:
     """The model on its device: embeddings in the activation dtype, matrices and scalars in fp32."""
     loss = LossPath.compiled(rt.chunked_loss) if rt.compile == "loss" else LossPath(chunked=rt.chunked_loss)
-    model = GPT(ModelConfig.of(args), attention=rt.attention, fp8_head=rt.fp8_head, loss=loss).to(rt.device)
-    if rt.fp8_head and rt.compile == "model":
-        compile_fp8_kernels()
-    if rt.compile_attention:
-        compile_flex_attention()
+    fp8_kernels = ("inductor" if rt.compile_fp8 else "eager") if rt.fp8_head else None
+    model = GPT(ModelConfig.of(args), attention=rt.attention, compile_attention=rt.compile_attention,
+                fp8_kernels=fp8_kernels, loss=loss).to(rt.device)
     for module in model.modules():
         if isinstance(module, nn.Embedding):
             module.to(rt.dtype)
@@ -2092,7 +2145,7 @@ class GradientSync:
             bucket.shard = flat
         else:
             bucket.shard = bucket.grad_out
-            bucket.work = REDUCE_SCATTER_FLAT(bucket.shard, flat, op=dist.ReduceOp.SUM, async_op=True)
+            bucket.work = TORCH_API.reduce_scatter_flat(bucket.shard, flat, op=dist.ReduceOp.SUM, async_op=True)
         self.launched.add(id(bucket))
 
     def finish(self) -> None:
@@ -2114,14 +2167,9 @@ class GradientSync:
         self.launched.clear()
 
 
-# torch 2.13 renamed the flat collectives; 2.11 only has the old names.
-ALL_GATHER_FLAT = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
-REDUCE_SCATTER_FLAT = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
-
-
 def all_gather_into(bucket: Bucket):
     """Starts the all-gather of every rank's bucket.gather_in into bucket.gather_out."""
-    return ALL_GATHER_FLAT(bucket.gather_out, bucket.gather_in, async_op=True)
+    return TORCH_API.all_gather_flat(bucket.gather_out, bucket.gather_in, async_op=True)
 
 
 class Muon:
@@ -2211,14 +2259,6 @@ def normuon_normalize(update: Tensor, second_moment: Tensor, beta2: float) -> Te
     normed = u * second_moment.clamp_min(1e-10).rsqrt()
     norm, normed_norm = u.norm(dim=(-2, -1), keepdim=True), normed.norm(dim=(-2, -1), keepdim=True)
     return normed * (norm / normed_norm.clamp_min(1e-10))
-
-
-@dataclass
-class FlatShard:
-    """This rank's piece of a tensor flattened to numel elements: ceil(numel / world_size) elements per
-    rank, rank r's starting at r times that (torch.chunk's split, which DTensor's Shard(0) uses too)."""
-    local: Tensor
-    numel: int
 
 
 @dataclass
@@ -2339,7 +2379,7 @@ class Optimizers:
 
 
 def build_optimizers(model: GPT, args: Hyperparameters, rank: int, world_size: int,
-                     compiled: bool = False) -> Optimizers:
+                     grad_sync_from_hooks: bool = True, compile_newton_schulz: bool = False) -> Optimizers:
     """Muon for matrices inside the blocks; Adam for head, embeddings and scalars (and matrices without Muon).
     The gates' 12-wide weights count as scalars, at their technique's gate_lrs share of the scalar lr
     (2025-12-31_GatesToCompiledAdam moved them to Adam)."""
@@ -2369,11 +2409,11 @@ def build_optimizers(model: GPT, args: Hyperparameters, rank: int, world_size: i
     assert sum(p.numel() for b, _ in adam_buckets for p in b.real) + sum(
         p.numel() for b in muon_buckets for p in b.real) == sum(p.numel() for p in model.parameters())
     # Consumption order (Muon, then Adam): the launch order when the compiled backward leaves no overlap.
-    sync = GradientSync(muon_buckets + [b for b, _ in adam_buckets], world_size, launch_from_hooks=not compiled)
+    sync = GradientSync(muon_buckets + [b for b, _ in adam_buckets], world_size, launch_from_hooks=grad_sync_from_hooks)
     names = {p: name for name, p in model.named_parameters()}
     # The record compiles Newton-Schulz: its five bf16 iterations fuse into a few kernels per shape.
     orthogonalize = polar_express if args.polar_express else newton_schulz
-    orthogonalize = torch.compile(orthogonalize, dynamic=False) if compiled else orthogonalize
+    orthogonalize = torch.compile(orthogonalize, dynamic=False) if compile_newton_schulz else orthogonalize
     muon = Muon(muon_buckets, rank, args.muon_lr, args.ns_steps, names, orthogonalize,
                 normuon_beta2=args.normuon_beta2 if args.normuon else None,
                 cautious_wd=args.muon_cautious_wd if args.cautious_wd else 0.0) if args.muon else None
@@ -2457,455 +2497,36 @@ class StepTensors:
 
 
 # -----------------------------------------------------------------------------
-# Run log, energy and profiling
+# Training loop: start-up, set-up, warm-up, resume, the loop and its step, the finish
 
-class RunLog:
-    """Rank 0's human-readable log: every line is flushed, so a crash never loses what was written."""
-
-    def __init__(self, path: Path | None):
-        self.path = path
-        self.file = None
-        if path is not None:
-            try:
-                path.parent.mkdir(parents=True, exist_ok=True)
-                self.file = open(path, "a", encoding="utf-8")
-            except OSError as e:
-                raise UsageError(f"cannot open run log {path}: {e.strerror}; pick a writable --log_dir") from None
-
-    def write(self, line: str, echo: bool = True) -> None:
-        if self.path is None:
-            return
-        if echo:
-            print(line, flush=True)
-        try:
-            self.file.write(line + "\n")
-            self.file.flush()
-        except OSError as e:
-            raise RunFailed(f"cannot write run log {self.path}: {e.strerror}; free disk space and resume "
-                             "from the last checkpoint") from None
+@torch.no_grad()
+def evaluate(model, val_seqs: list[np.ndarray], window: Tensor, rt: Runtime) -> float:
+    """Mean loss over the whole validation budget (every sequence has the same length), across ranks."""
+    model.eval()
+    total = torch.zeros((), dtype=torch.float64, device=rt.device)
+    for seq in val_seqs:
+        total += model(*to_device(seq, rt.device), window).double()
+    stats = torch.stack([total, torch.tensor(float(len(val_seqs)), dtype=torch.float64, device=rt.device)])
+    if rt.world_size > 1:
+        dist.all_reduce(stats)
+    model.train()
+    return (stats[0] / stats[1]).item()
 
 
-# The progress lines ("step:S/N name:value ..." and "final: name:value ...") are the run log's data:
-# progress_line() is the one writer, records/read_records.py's parse_progress_line() the one reader (bench/ and
-# tests use it too). A field's number is written with these decimals and unit; the public speedrun's logs use
-# the same "step:S/N val_loss:... train_time:...ms step_avg:...ms" shape.
-PROGRESS_FIELDS = {  # name: (decimals, unit)
-    "val_loss": (4, ""), "train_loss": (4, ""), "train_time": (0, "ms"), "step_avg": (2, "ms"),
-    "energy": (0, "J"), "hellaswag_acc": (4, ""), "hellaswag_acc_norm": (4, ""), "hellaswag_examples": (0, ""),
-    "hellaswag_time": (0, "ms"), "steps": (0, ""), "tokens": (0, ""), "total_train_time": (0, "ms"),
-    "resumes": (0, ""),
-}
-
-
-def progress_line(step: int | None, total: int, **values: float) -> str:
-    """'step:S/N f:v ...' for a step, or 'final: f:v ...' when step is None; fields in the order given."""
-    head = "final:" if step is None else f"step:{step}/{total}"
-    parts = []
-    for name, value in values.items():
-        decimals, unit = PROGRESS_FIELDS[name]
-        parts.append(f"{name}:{value:.{decimals}f}{unit}")
-    return " ".join([head, *parts])
-
-
-class Clock:
-    """Training time and energy. Both run only while the model trains: every pause (validation,
-    HellaSwag, a checkpoint) first waits for the device, so each stretch is timed the same way."""
-
-    def __init__(self, rt: Runtime, energy: "EnergyMeter"):
-        self.rt, self.energy = rt, energy
-        self.ms, self.started = 0.0, None
-
-    def start(self) -> None:
-        self.rt.synchronize()
-        self.started = time.perf_counter()
-        self.energy.start()
-
-    def pause(self) -> None:
-        self.rt.synchronize()
-        self.ms += 1000 * (time.perf_counter() - self.started)
-        self.started = None
-        self.energy.stop()
-
-    @contextlib.contextmanager
-    def paused(self):
-        self.pause()
-        try:
-            yield
-        finally:
-            self.start()
-
-    def elapsed_ms(self) -> float:
-        """Training milliseconds so far (without a device sync: the last step may still be running)."""
-        return self.ms + (1000 * (time.perf_counter() - self.started) if self.started is not None else 0.0)
-
-
-def environment_lines(rt: Runtime) -> list[str]:
-    lines = [f"python: {platform.python_version()}", f"torch: {torch.__version__}",
-             f"cuda: {torch.version.cuda if rt.is_cuda else 'n/a'}", f"device: {device_name(rt)}",
-             f"world_size: {rt.world_size}",
-             f"attention: {rt.attention} fp8_head: {rt.fp8_head} compile: {rt.compile} dtype: {rt.dtype} "
-             f"chunked_loss: {rt.chunked_loss} compile_attention: {rt.compile_attention}",
-             f"PYTORCH_CUDA_ALLOC_CONF: {os.environ.get('PYTORCH_CUDA_ALLOC_CONF', '')} host_malloc: {rt.host_malloc}"]
-    try:
-        smi = subprocess.run(["nvidia-smi"], capture_output=True, text=True, timeout=20)
-        if smi.returncode == 0:
-            lines += ["nvidia-smi:", smi.stdout.rstrip()]
-    except (OSError, subprocess.TimeoutExpired):
-        pass
-    return lines
-
-
-def device_name(rt: Runtime) -> str:
-    if rt.is_cuda:
-        return torch.cuda.get_device_name(rt.device)
-    return f"cpu: {platform.processor() or platform.machine()} ({os.cpu_count()} cores)"
-
-
-def git_commit() -> str | None:
-    try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_DIR, capture_output=True, text=True, timeout=10)
-        return out.stdout.strip() if out.returncode == 0 else None
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-
-
-class NvmlCounter:
-    """NVIDIA's total-energy counter of one GPU (millijoules since driver load), found by PCI bus id: NVML
-    numbers GPUs in PCI order and ignores CUDA_VISIBLE_DEVICES, so torch's index can name another GPU."""
-    wrap_joules = None
-
-    def __init__(self, pci_bus_id: str, nvml=None):
-        if nvml is None:
-            import pynvml as nvml  # nvidia-ml-py, an optional extra
-        nvml.nvmlInit()
-        self.nvml, self.handle = nvml, nvml.nvmlDeviceGetHandleByPciBusId(pci_bus_id)
-
-    def read_joules(self) -> list[float]:
-        return [self.nvml.nvmlDeviceGetTotalEnergyConsumption(self.handle) / 1000.0]
-
-
-def nvml_bus_id(props) -> str:
-    """NVML's domain:bus:device.function for torch.cuda.get_device_properties(device)."""
-    return f"{props.pci_domain_id:08X}:{props.pci_bus_id:02X}:{props.pci_device_id:02X}.0"
-
-
-class RaplCounters:
-    """Intel RAPL package counters under /sys/class/powercap (microjoules, wrapping at max_energy_range_uj)."""
-
-    def __init__(self, root: Path):
-        self.domains = sorted(d for d in root.glob("intel-rapl:*") if d.name.count(":") == 1)
-        if not self.domains:
-            raise OSError(f"no RAPL package domains under {root}")
-        self.wrap_joules = [int((d / "max_energy_range_uj").read_text()) / 1e6 for d in self.domains]
-        self.read_joules()
-
-    def read_joules(self) -> list[float]:
-        return [int((d / "energy_uj").read_text()) / 1e6 for d in self.domains]
-
-
-class EnergyMeter:
-    """Joules this rank's counters add up while the clock runs; paused for validation.
-
-    On CPU only local rank 0 reads RAPL: the package counters cover every process on the node.
-    """
-
-    def __init__(self, counters, reason: str = ""):
-        self.counters, self.reason = counters, reason
-        self.joules, self.last = 0.0, None
-
-    @staticmethod
-    def open(rt: Runtime, powercap_root: Path = Path("/sys/class/powercap"), nvml=None) -> "EnergyMeter":
-        try:
-            if rt.is_cuda:
-                return EnergyMeter(NvmlCounter(nvml_bus_id(torch.cuda.get_device_properties(rt.device)), nvml))
-            if rt.local_rank != 0:
-                return EnergyMeter(None, "counted by local rank 0")
-            return EnergyMeter(RaplCounters(powercap_root))
-        except ImportError:
-            return EnergyMeter(None, "nvidia-ml-py is not installed (pip install -r requirements-extras.txt)")
-        except Exception as e:  # NVML and sysfs fail in many ways (no permission, no driver support)
-            return EnergyMeter(None, f"energy counters unreadable: {e}")
-
-    def start(self) -> None:
-        if self.counters is not None:
-            self.last = self.counters.read_joules()
-
-    def stop(self) -> None:
-        if self.counters is None or self.last is None:
-            return
-        now = self.counters.read_joules()
-        wraps = self.counters.wrap_joules or [None] * len(now)
-        for before, after, wrap in zip(self.last, now, wraps):
-            delta = after - before
-            self.joules += delta + wrap if delta < 0 and wrap else delta
-        self.last = None
-
-    def total(self, rt: Runtime) -> tuple[float | None, int]:
-        """(joules summed over ranks, ranks that measured), or (None, 0) when no rank could measure."""
-        measured = torch.tensor([self.joules, float(self.counters is not None)], dtype=torch.float64,
-                                device=rt.device)
-        if rt.world_size > 1:
-            dist.all_reduce(measured)
-        joules, ranks = measured.tolist()
-        return (joules, int(ranks)) if ranks else (None, 0)
-
-
-def energy_line(joules: float | None, ranks: int, reason: str, train_s: float, tokens: int) -> str:
-    if joules is None:
-        return f"energy: n/a ({reason or 'no rank could read an energy counter'})"
-    kwh = joules / 3.6e6
-    power = joules / max(train_s, 1e-9) / max(ranks, 1)
-    per_kwh = f"{tokens / kwh:.3e}" if kwh > 0 else "n/a"
-    return f"energy: {joules:.1f} J ({kwh:.6f} kWh) mean_power:{power:.1f}W/device tokens_per_kWh:{per_kwh}"
-
-
-class RecompileWatch:
-    """Counts torch.compile recompilations once warm-up is over, with dynamo's reason for each.
-
-    Warm-up compiles every shape and mode the run uses, so a later recompilation is timed work and a
-    sign of an unintended guard (a Python scalar that changes, a new shape).
-    """
-    LOGGER = "torch._dynamo.guards.__recompiles"  # dynamo's "recompiles" artifact log
-
-    def __init__(self):
-        self.count, self.pending = 0, []
-        self.handler = logging.Handler(logging.DEBUG)
-        self.handler.emit = self._record
-
-    def start(self) -> "RecompileWatch":
-        if "TORCH_LOGS" not in os.environ:  # the user's own TORCH_LOGS setting wins
-            torch._logging.set_logs(recompiles=True)
-        logging.getLogger(self.LOGGER).addHandler(self.handler)
-        return self
-
-    def _record(self, record: logging.LogRecord) -> None:
-        lines = [line.strip() for line in record.getMessage().splitlines() if line.strip()]
-        where = lines[0].removeprefix("Recompiling function ") if lines else "?"
-        guard = next((line.lstrip("- ") for line in lines[1:] if line.startswith("-")), "no guard reported")
-        self.count += 1
-        self.pending.append(f"{where}: {guard}")
-
-    def drain(self) -> list[str]:
-        pending, self.pending = self.pending, []
-        return pending
-
-
-def make_profiler(args: Hyperparameters, rt: Runtime, trace_path: Path):
-    """Records args.profile_steps training steps (after one skipped and one warm-up step) as a Chrome trace."""
-    from torch.profiler import ProfilerActivity, profile, schedule
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if rt.is_cuda else [])
-    return profile(activities=activities, schedule=schedule(wait=1, warmup=1, active=args.profile_steps, repeat=1),
-                   on_trace_ready=lambda prof: prof.export_chrome_trace(str(trace_path)))
-
-
-# -----------------------------------------------------------------------------
-# Checkpoints: exact resume, written atomically, verified on load, never of a diverged state
-
-MODEL_SHAPE_FIELDS = ("vocab_size", "n_layer", "model_dim", "n_head", "head_dim", "value_embeds", "unet_skips")
-# which matrices Muon owns, and what state it keeps for them
-OPTIMIZER_STRUCTURE_FIELDS = ("muon",) + tuple(t.switch for t in TECHNIQUES if t.optimizer_state)
-CHECKPOINT_META = "checkpoint.json"
-# A torch.distributed.checkpoint folder that any world size resumes; earlier ones had a rank<r>.pt per rank.
-CHECKPOINT_FORMAT = "dcp-1"
-
-
-def source_sha256() -> str:
-    return hashlib.sha256(Path(__file__).read_bytes()).hexdigest()
-
-
-@dataclass
-class TrainingState:
-    """What a run continues from. The tensors alias the live ones and are named so that they mean the
-    same at any world size: model/<name> (identical on every rank), the Adam slices this rank owns as
-    FlatShards, the Muon momenta of the matrices it owns. The data position is one global stream, which
-    every world size walks alike. Nothing draws random numbers after the model is built, so no RNG
-    state is kept (a technique that does must derive its numbers from the seed and the step)."""
-    step: int
-    loader: dict
-    tensors: dict[str, Tensor | FlatShard]
-    segments: list[dict] = dataclasses.field(default_factory=list)  # the run's history: see segment()
+def mean_over_ranks(value: Tensor, rt: Runtime) -> float:
+    value = value.detach().double()
+    if rt.world_size > 1:
+        dist.all_reduce(value)
+        value /= rt.world_size
+    return value.item()
 
 
 def training_state(model: GPT, opt: Optimizers, stream: TokenStream, step: int,
                    segments: list[dict] | None = None) -> TrainingState:
+    """What a checkpoint keeps of a run at a step: the live tensors (aliased, not copied) and the data position."""
     tensors = {f"model/{name}": t for name, t in model.state_dict().items()}
     return TrainingState(step=step, loader=stream.state(), tensors={**tensors, **opt.state_tensors()},
                          segments=segments or [])
-
-
-SEGMENT_KEYS = ("run_id", "start_step", "end_step", "tokens", "train_time_ms")  # one launch's share of a run
-
-
-def segment(run_id: str, start_step: int, end_step: int, tokens: int | None, train_time_ms: float | None) -> dict:
-    """One launch's part of a run (a resumed run has several): steps start_step+1 .. end_step, the tokens they
-    trained and their training time; None where a checkpoint older than this record did not say."""
-    return dict(zip(SEGMENT_KEYS, (run_id, start_step, end_step, tokens, train_time_ms)))
-
-
-def recorded_segments(meta: dict) -> list[dict]:
-    """The segments a checkpoint records; one of unknown tokens and time for a checkpoint that records none."""
-    found = meta.get("segments")
-    if isinstance(found, list) and all(isinstance(x, dict) and set(x) == set(SEGMENT_KEYS) for x in found):
-        return found
-    return [segment(str(meta.get("run_id")), 0, meta["step"], None, None)]
-
-
-def local_part(t: Tensor | FlatShard) -> Tensor:
-    return t.local if isinstance(t, FlatShard) else t
-
-
-def as_dcp_state(state: TrainingState, rt: Runtime) -> dict[str, Tensor]:
-    """The tensors as torch.distributed.checkpoint sees them: each FlatShard a DTensor sharded over all
-    ranks, so that DCP records which piece of the flat tensor it is and re-cuts it for any world size."""
-    if rt.world_size == 1:
-        return {name: local_part(t) for name, t in state.tensors.items()}
-    mesh = init_device_mesh(rt.device.type, (rt.world_size,))  # not cached: a mesh holds the process group
-    return {name: DTensor.from_local(t.local, mesh, [Shard(0)], run_check=False, shape=(t.numel,), stride=(1,))
-            if isinstance(t, FlatShard) else t for name, t in state.tensors.items()}
-
-
-def dcp_call(fn, state: dict, path: Path, world_size: int) -> None:
-    """dcp.save or dcp.load on a folder (without a process group on one rank, which DCP warns about)."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        fn(state, checkpoint_id=str(path), no_dist=world_size == 1)
-
-
-def checkpoint_root(args: Hyperparameters, run_id: str) -> Path:
-    return Path(args.log_dir) / run_id
-
-
-def complete_checkpoints(root: Path) -> list[Path]:
-    """Finished checkpoints (those with their metadata file) under root, oldest step first."""
-    return sorted((d for d in root.glob("step_*") if (d / CHECKPOINT_META).is_file()), key=checkpoint_step)
-
-
-def checkpoint_step(folder: Path) -> int:
-    """The step of a step_N folder, from its name (a staging step_N.tmp or a stray name counts as -1)."""
-    digits = folder.name.removeprefix("step_")
-    return int(digits) if digits.isdigit() else -1
-
-
-def rotate_checkpoints(root: Path, keep: int, written: Path, resumed_from: Path | None) -> None:
-    """Deletes all but the newest `keep` checkpoints of root, never the one just written nor the one this run
-    resumed from (its recovery point, whatever its step)."""
-    protected = {written.resolve(), resumed_from.resolve() if resumed_from else None}
-    rotating = [c for c in complete_checkpoints(root) if c.resolve() not in protected]
-    for old in rotating[:max(len(rotating) - (max(keep, 1) - 1), 0)]:
-        shutil.rmtree(old, ignore_errors=True)
-
-
-def set_aside_newer_checkpoints(root: Path, resumed_from: Path, rt: Runtime, log: RunLog) -> None:
-    """A run resumed from an older checkpoint of its own folder (after a divergence, say) abandons the newer
-    ones: they are moved into root/abandoned_after_step_N_<time>/, never deleted, so that neither rotation nor
-    --resume=latest mistakes them for this run's."""
-    if rt.is_master and resumed_from.parent.resolve() == root.resolve():
-        step = checkpoint_step(resumed_from)
-        newer = [c for c in complete_checkpoints(root) if checkpoint_step(c) > step]
-        if newer:
-            aside = root / f"abandoned_after_step_{step:06d}_{time.strftime('%Y%m%d-%H%M%S')}"
-            aside.mkdir(exist_ok=True)
-            for folder in newer:
-                os.replace(folder, aside / folder.name)
-            log.write(f"moved {len(newer)} checkpoint(s) newer than the resume point {resumed_from.name} "
-                      f"({', '.join(c.name for c in newer)}) aside to {aside}: delete it once you no longer need it")
-    ranks_agree(True, rt)
-
-
-def ranks_agree(ok: bool, rt: Place) -> bool:
-    """True when ok holds on every rank (a barrier that also carries a failure)."""
-    if rt.world_size == 1:
-        return ok
-    flag = torch.tensor([0 if ok else 1], device=rt.device)
-    dist.all_reduce(flag)
-    return flag.item() == 0
-
-
-def file_record(path: Path) -> dict:
-    """Size and sha256 of a file as it is on disk (read back, so what is recorded is what was written)."""
-    with open(path, "rb") as f:
-        return {"bytes": os.fstat(f.fileno()).st_size, "sha256": hashlib.file_digest(f, "sha256").hexdigest()}
-
-
-def gather_objects(obj, rt: Place) -> list:
-    if rt.world_size == 1:
-        return [obj]
-    out = [None] * rt.world_size
-    dist.all_gather_object(out, obj)
-    return out
-
-
-def write_failure(e: BaseException) -> str:
-    """One line for a failed write: DCP wraps each rank's error, and torch.save reports a full disk as a
-    RuntimeError without errno."""
-    if isinstance(e, CheckpointException) and e.failures:
-        return write_failure(next(iter(e.failures.values()))[0])
-    if isinstance(e, OSError) and e.strerror:
-        return e.strerror
-    lines = str(e).strip().splitlines()
-    return lines[-1][:200] if lines else type(e).__name__
-
-
-def free_mib(path: Path) -> str:
-    for p in (path, *path.parents):
-        if p.exists():
-            return f"{shutil.disk_usage(p).free / 2**20:.0f} MiB free"
-    return "free space unknown"
-
-
-def files_written_by(folder: Path, rank: int) -> list[Path]:
-    """The files of a DCP folder this rank wrote: its __<rank>_*.distcp, and .metadata on rank 0."""
-    return sorted(folder.glob(f"__{rank}_*.distcp")) + ([folder / ".metadata"] if rank == 0 else [])
-
-
-def save_checkpoint(state: TrainingState, args: Hyperparameters, rt: Runtime, run_id: str, log: RunLog,
-                    resumed_from: Path | None = None) -> Path:
-    """torch.distributed.checkpoint writes every rank's tensors into step_N.tmp/ (one copy of the shared
-    weights, each Adam slice and Muon momentum by its owner); rank 0 adds the metadata (with every file's
-    size and sha256, hashed by the rank that wrote it) and renames the folder.
-
-    A failed write (a full disk, say) removes the staging folder on every rank and leaves every
-    earlier checkpoint untouched. Rotation keeps args.checkpoint_keep, and always resumed_from.
-    """
-    root = checkpoint_root(args, run_id)
-    final = root / f"step_{state.step:06d}"
-    if not ranks_agree(not (final / CHECKPOINT_META).is_file(), rt):  # the resume point (--stop_after at it)
-        log.write(f"checkpoint: {final} step:{state.step} is already written (the resume point); kept as it is")
-        return final
-    staging = root / (final.name + ".tmp")
-    started = time.perf_counter()
-    error, records = "", {}
-    try:
-        staging.mkdir(parents=True, exist_ok=True)
-        dcp_call(dcp.save, as_dcp_state(state, rt), staging, rt.world_size)
-        records = {f.name: file_record(f) for f in files_written_by(staging, rt.rank)}
-    except (OSError, RuntimeError, CheckpointException) as e:
-        error = write_failure(e)
-    if ranks_agree(not error, rt):
-        files = {name: rec for per_rank in gather_objects(records, rt) for name, rec in per_rank.items()}
-        if rt.is_master:
-            meta = {"format": CHECKPOINT_FORMAT, "run_id": run_id, "step": state.step, "loader": state.loader,
-                    "segments": state.segments, "world_size": rt.world_size, "source_sha256": source_sha256(),
-                    "hyperparameters": dataclasses.asdict(args), "runtime": rt.resolved(), "files": files}
-            try:
-                (staging / CHECKPOINT_META).write_text(json.dumps(meta, indent=1))
-                shutil.rmtree(final, ignore_errors=True)  # an unfinished one (no checkpoint.json) only
-                os.replace(staging, final)
-            except OSError as e:
-                error = write_failure(e)
-    if not ranks_agree(not error, rt):
-        shutil.rmtree(staging, ignore_errors=True)
-        previous = complete_checkpoints(root)
-        raise RunFailed(f"cannot write checkpoint {final} ({error or 'failed on another rank'}); partial files "
-                         f"removed, previous checkpoint {previous[-1] if previous else '(none)'} is intact; "
-                         f"free disk space ({free_mib(root)}) and resume with --resume=latest")
-    if rt.is_master:
-        rotate_checkpoints(root, args.checkpoint_keep, final, resumed_from)
-        size = sum(f.stat().st_size for f in final.iterdir())
-        log.write(f"checkpoint: {final} step:{state.step} size:{size / 2**20:.1f}MiB "
-                  f"write_time:{time.perf_counter() - started:.2f}s")
-    ranks_agree(True, rt)
-    return final
 
 
 class FiniteWatch:
@@ -2915,260 +2536,399 @@ class FiniteWatch:
     def __init__(self, device: torch.device, start_step: int, resumed_from: Path | None):
         self.bad = torch.zeros((), dtype=torch.bool, device=device)
         self.good_step, self.newest_good = start_step, resumed_from
-        self.resumed_from = resumed_from  # the good state this run started from: rotation never deletes it
 
     def observe(self, loss: Tensor) -> None:
         self.bad |= ~torch.isfinite(loss)
 
-    def state_is_finite(self, model: nn.Module, rt: Runtime) -> bool:
-        """The losses so far and every weight are finite, on every rank (one reduction, one sync)."""
+    def check(self, model: nn.Module, place: Place, step: int) -> None:
+        """Stops the run, on every rank, once a loss so far or a weight is not finite (one reduction, one sync)."""
         flags = torch.stack([self.bad, *(~torch.isfinite(p).all() for p in model.parameters())])
-        return ranks_agree(not bool(flags.any()), rt)
+        if not ranks_agree(not bool(flags.any()), place):
+            raise RunFailed(f"the loss or the weights became non-finite between step {self.good_step} and step "
+                            f"{step}; no checkpoint written, {self.hint()}: resume from it with lower learning rates")
+        self.good_step = step
 
     def hint(self) -> str:
         return f"the newest good checkpoint is {self.newest_good or '(none)'}"
 
 
-def save_finite_checkpoint(t: Trainer, watch: FiniteWatch, step: int, segments: list[dict]) -> Path:
-    """save_checkpoint, refused (and the run stopped) once the loss or the weights are not finite."""
-    if not watch.state_is_finite(t.model, t.rt):
-        raise RunFailed(f"the loss or the weights became non-finite between step {watch.good_step} and step "
-                         f"{step}; no checkpoint written, {watch.hint()}: resume from it with lower learning rates")
-    state = training_state(t.model, t.opt, t.stream, step, segments)
-    watch.newest_good = save_checkpoint(state, t.args, t.rt, t.run_id, t.log, watch.resumed_from)
-    watch.good_step = step
-    return watch.newest_good
+@dataclass
+class Run:
+    """What set-up builds for one launch of a run, and every phase after it uses."""
+    args: Hyperparameters
+    rt: Runtime
+    log: RunLog
+    batches: BatchSchedule
+    model: GPT  # its parameters are what trains; checkpoints and checks read them
+    step_model: nn.Module  # the model as the steps call it: torch.compile'd under --compile=model
+    opt: Optimizers
+    stream: TokenStream
+    loader: DistributedTokenLoader
+    schedules: StepTensors
+    val_seqs: list[np.ndarray]
+    hellaswag_items: list | None  # this rank's share, under --hellaswag_every
+    checkpoints: Checkpoints
+    earlier_segments: list[dict] = dataclasses.field(default_factory=list)  # of the checkpoint resumed from
+
+    def segments(self, start_step: int, step: int, clock: Clock) -> list[dict]:
+        """The run's history through `step`: the earlier launches, then this one's steps and time so far."""
+        tokens = self.batches.tokens_before(step) - self.batches.tokens_before(start_step)
+        return self.earlier_segments + [segment(self.checkpoints.folder.run_id, start_step, step, tokens, clock.ms)]
+
+    def save_checkpoint(self, step: int, segments: list[dict], watch: FiniteWatch) -> None:
+        """A checkpoint of the state after `step`, never of a diverged one (FiniteWatch.check)."""
+        watch.check(self.model, self.rt, step)
+        watch.newest_good = self.checkpoints.save(training_state(self.model, self.opt, self.stream, step, segments))
 
 
-def lock_run_log(log: RunLog, run_id: str) -> None:
-    """Rank 0 holds an exclusive lock on its run log while it lives, which tells later runs in the same
-    log_dir that this run's staging folders are in use (the lock dies with the process, even on kill -9)."""
-    if log.file is None:
+@dataclass
+class Results:
+    """What the loop has measured so far: the JSON summary's curves."""
+    val_loss: float = float("nan")
+    val_curve: list = dataclasses.field(default_factory=list)  # [step, val_loss, train_time_ms]
+    hellaswag_curve: list = dataclasses.field(default_factory=list)  # [step, acc, acc_norm, examples]
+
+
+def start(argv: list[str]) -> tuple[Hyperparameters, Runtime, RunFolder, Path | None, list[str]]:
+    """Start-up, before anything is written: the flags, this process's rank and device, the checkpoint to resume
+    (whose hyperparameters the run continues), the device choices and the run's folder. Everything a bad flag,
+    world size or checkpoint can fail, fails here. Also returns lines for the run log."""
+    overrides = parse_overrides(Hyperparameters, argv)
+    check_torch_install(overrides.get("preset"))  # a torch outside the range, or one that cannot use this node's GPUs
+    args = resolve_hyperparameters(overrides, torch.cuda.is_available())
+    place = join_process_group(args)
+    if place.is_master and args.preset == "cpu" and not torch.cuda.is_available() and "preset" not in overrides:
+        print("no GPU found: running the cpu preset (small model, bundled sample data); "
+              "pass --preset=speedrun to force the reference recipe", flush=True)
+    batch_schedule(args, place.world_size)  # a world size that cannot split the batch is refused first
+    checkpoint, notes = choose_checkpoint(args.resume, Path(args.log_dir), args.run_id, place) if args.resume \
+        else (None, [])
+    if checkpoint is not None:
+        meta = read_checkpoint_meta(checkpoint)
+        args, resumed = resumed_hyperparameters(meta["hyperparameters"], overrides, args, checkpoint)
+        check_compatible(checkpoint, meta, args)
+        notes += resumed
+    rt = choose_runtime(place, args)
+    folder = claim_run_folder(Path(args.log_dir), args.run_id, args.preset, args.resume, rt, checkpoint)
+    return args, rt, folder, checkpoint, notes
+
+
+def set_up(args: Hyperparameters, rt: Runtime, folder: RunFolder, log: RunLog) -> Run:
+    """Data, model and optimizers: everything that can fail on bad input fails here, before step 0."""
+    train_files = find_shards(args.train_files, "training")
+    val_files = find_shards(args.val_files, "validation")
+    for f in train_files:
+        shard_token_count(f)
+    val_seqs = validation_sequences(val_files, args, rt.rank, rt.world_size)
+    torch.manual_seed(args.seed)
+    model = build_model(args, rt)
+    step_model = torch.compile(model, dynamic=False) if rt.compile == "model" else model
+    opt = build_optimizers(model, args, rt.rank, rt.world_size, rt.grad_sync_from_hooks, rt.compile_newton_schulz)
+    stream = TokenStream(train_files, args.vocab_size, cycle=args.train_cycle, read_ahead=True)
+    loader = DistributedTokenLoader(stream, args.seq_len, rt.rank, rt.world_size, args.bos_align, args.doc_len_cap,
+                                    rt.device)
+    record = {"run_id": folder.run_id, "hyperparameters": dataclasses.asdict(args), "runtime": rt.resolved(),
+              "source_sha256": sources_sha256(trainer_sources())}
+    checkpoints = Checkpoints(folder, args.checkpoint_keep, rt, log, record)
+    return Run(args, rt, log, batch_schedule(args, rt.world_size), model, step_model, opt, stream, loader,
+               StepTensors(args, rt.device), val_seqs, prepare_downstream(args, rt, model.context_len), checkpoints)
+
+
+def warm_up(run: Run) -> None:
+    """Compile and warm the kernels on real shapes (training and validation), then forget it happened."""
+    if run.args.warmup_steps <= 0:
         return
-    try:
-        fcntl.flock(log.file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        raise UsageError(f"run {run_id} is running in another process ({log.path} is locked); wait for it to "
-                         "end or pick another --run_id") from None
-    except OSError:
-        pass  # a filesystem without locks: stale staging folders of other runs are then left alone
+    live = training_state(run.model, run.opt, run.stream, 0)
+    saved = {name: local_part(x).clone() for name, x in live.tensors.items()}
+    for step in range(run.args.warmup_steps):
+        train_step(run, step)
+    evaluate(run.step_model, run.val_seqs[:1], run.schedules.windows(0), run.rt)
+    with torch.no_grad():
+        for name, x in live.tensors.items():
+            local_part(x).copy_(saved[name])
+    run.stream.load_state(live.loader)
 
 
-def owner_is_gone(log_path: Path) -> bool:
-    """True when no live process holds the lock on a run log (or the log is gone)."""
-    try:
-        with open(log_path, "rb") as f:
-            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return True
-    except FileNotFoundError:
-        return True
-    except OSError:
-        return False
+def resume(run: Run, checkpoint: Path | None) -> int:
+    """The step to start from: 0, or the checkpoint's step with its full training state restored."""
+    if checkpoint is None:
+        return 0
+    state = run.checkpoints.load(checkpoint, training_state(run.model, run.opt, run.stream, 0))
+    run.stream.load_state(state.loader)
+    run.earlier_segments = state.segments
+    run.log.write(f"resumed from {checkpoint} at step {state.step}")
+    return state.step
 
 
-def clean_stale_staging(args: Hyperparameters, run_id: str, log: RunLog) -> None:
-    """Rank 0 removes step_N.tmp/ folders under log_dir left by killed runs, so they cannot fill the disk."""
-    if log.file is None:
+def train_step(run: Run, step: int) -> Tensor:
+    """One optimizer step: forward and backward over the stage's micro-batches (the last one's backward launches
+    the gradient reduce-scatters), the optimizers at the step's lr and momentum, then fresh gradients. Returns
+    this rank's mean loss, on the device."""
+    args, windows, mtp, accum = run.args, run.schedules.windows(step), run.schedules.mtp_weights(step), \
+        run.batches.accum(step)
+    losses = []
+    for i, (x, y) in enumerate(run.loader.next_batch(accum)):
+        run.opt.sync.arm(i == accum - 1)
+        loss = run.step_model(x, y, windows, *mtp)
+        loss.backward()
+        losses.append(loss.detach())
+    lr_mult = lr_multiplier(step, args.num_iterations, args.cooldown_frac, args.lr_final_frac) * \
+        run.batches.lr_scale(step)
+    momentum = muon_momentum(step, args.muon_momentum_warmup_steps, args.muon_momentum_start, args.muon_momentum)
+    run.opt.step(lr_mult, momentum, accum)
+    run.model.zero_grad(set_to_none=True)  # R: the next backward writes fresh gradients, no zeroing kernels
+    return torch.stack(losses).mean()
+
+
+def train_loop(run: Run, start_step: int, stop: StopSignal, resumed_from: Path | None) -> int:
+    """The record's loop: validate (and score HellaSwag) when due and at the end, checkpoint or stop when due,
+    one training step and its log line; then the finish. Returns the exit status."""
+    args, rt, N = run.args, run.rt, run.args.num_iterations
+    clock, recompiles, stop = Clock(rt, EnergyMeter.open(rt)), RecompileWatch().start(), stop.defer()
+    results, watch = Results(), FiniteWatch(rt.device, start_step, resumed_from)
+    clock.start()
+    status = None
+    with profiling(run) as profiler:  # stopped on every way out of the loop
+        for step in range(start_step, N + 1):
+            last = step == N
+            # ---------------- VALIDATION ----------------
+            validate_now = last or due(step, args.val_every)
+            hellaswag_now = run.hellaswag_items is not None and (last or due(step, args.hellaswag_every))
+            if validate_now or hellaswag_now:
+                clock.pause()
+                if validate_now:
+                    validate(run, step, start_step, clock, results, watch)
+                if hellaswag_now:
+                    score_hellaswag(run, step, results)
+                if last:
+                    break
+                clock.start()
+            # ---------------- CHECKPOINT OR STOP ----------------
+            status = checkpoint_or_stop(run, step, start_step, stop.agreed(rt), clock, watch)
+            if status is not None:
+                break
+            # ---------------- TRAINING ----------------
+            loss = train_step(run, step)
+            watch.observe(loss)
+            for reason in recompiles.drain():
+                run.log.write(f"warning: torch.compile recompiled after warm-up at step {step + 1}: {reason}")
+            if profiler is not None:
+                profiler.step()
+            log_train_step(run, step + 1, start_step, loss, clock, watch)
+    stop.settle()  # every rank started the same agreements, so the last one completes
+    return status if status is not None else finish(run, start_step, clock, results, watch, recompiles)
+
+
+def due(step: int, every: int) -> bool:
+    return every > 0 and step % every == 0
+
+
+def profiling(run: Run):
+    """The profiler as a context (started on entry, stopped on every way out), or a stand-in that does nothing."""
+    if run.args.profile_steps <= 0:
+        return contextlib.nullcontext()
+    trace = run.checkpoints.folder.log_dir / f"{run.checkpoints.folder.run_id}_rank{run.rt.rank}.trace.json"
+    return make_profiler(run.args.profile_steps, run.rt.is_cuda, trace)
+
+
+def validate(run: Run, step: int, start_step: int, clock: Clock, results: Results, watch: FiniteWatch) -> None:
+    """Validation loss on the whole held-out budget, logged with the training time so far."""
+    results.val_loss = evaluate(run.step_model, run.val_seqs, run.schedules.windows(step), run.rt)
+    results.val_curve.append([step, results.val_loss, clock.ms])
+    energy = clock.energy.totals(run.rt)
+    joules = energy["train"] if energy else None
+    run.log.write(progress_line(step, run.args.num_iterations, val_loss=results.val_loss, train_time=clock.ms,
+                                step_avg=clock.ms / max(step - start_step, 1),
+                                **({"energy": joules} if joules is not None else {})))
+    if not math.isfinite(results.val_loss):
+        raise RunFailed(f"validation loss is {results.val_loss} at step {step}; the run diverged "
+                        f"(lower the learning rates and resume: {watch.hint()})")
+
+
+def score_hellaswag(run: Run, step: int, results: Results) -> None:
+    from evaluation import hellaswag_accuracy
+    started = time.perf_counter()
+    acc, acc_norm, n = hellaswag_accuracy(run.model, run.hellaswag_items, int(run.schedules.windows(step)[0]), run.rt)
+    results.hellaswag_curve.append([step, acc, acc_norm, n])
+    run.log.write(progress_line(step, run.args.num_iterations, hellaswag_acc=acc, hellaswag_acc_norm=acc_norm,
+                                hellaswag_examples=n, hellaswag_time=1000 * (time.perf_counter() - started)))
+
+
+def checkpoint_or_stop(run: Run, step: int, start_step: int, signum: int | None, clock: Clock,
+                       watch: FiniteWatch) -> int | None:
+    """Before training step+1: write a checkpoint when one is due, a signal came or --stop_after is
+    reached; returns the exit status when the run stops here, None to go on."""
+    args, log = run.args, run.log
+    stop_after = args.stop_after > 0 and step == args.stop_after
+    if not (due(step, args.checkpoint_every) and step > start_step or signum or stop_after):
+        return None
+    checkpointing = args.checkpoint_every > 0 or args.checkpoint_final or args.stop_after > 0
+    with clock.paused():
+        if checkpointing:
+            run.save_checkpoint(step, run.segments(start_step, step, clock), watch)
+    if signum:
+        log.write(f"stopped by signal {signal.Signals(signum).name} before step {step + 1}"
+                  + ("; resume with --resume=latest" if checkpointing else " (no checkpoints enabled)"))
+        return 128 + signum
+    if stop_after:
+        log.write(f"stopped after step {step} as asked (--stop_after); resume with --resume=latest")
+        return 0
+    return None
+
+
+def log_train_step(run: Run, step: int, start_step: int, loss: Tensor, clock: Clock, watch: FiniteWatch) -> None:
+    """The step line; with --log_train_loss also the loss averaged over ranks (one device sync)."""
+    ms = clock.elapsed_ms()
+    timing = dict(train_time=ms, step_avg=ms / (step - start_step))
+    if not run.args.log_train_loss:
+        run.log.write(progress_line(step, run.args.num_iterations, **timing))
         return
-    for staging in sorted(Path(args.log_dir).glob("*/step_*.tmp")):
-        run = staging.parent.name
-        if run == run_id or owner_is_gone(Path(args.log_dir) / f"{run}.txt"):
-            shutil.rmtree(staging, ignore_errors=True)
-            log.write(f"removed stale checkpoint staging folder {staging} (left by a killed run)")
+    train_loss = mean_over_ranks(loss, run.rt)
+    if not math.isfinite(train_loss):
+        raise RunFailed(f"training loss is {train_loss} at step {step}; stopping (lower the learning rates and "
+                        f"resume: {watch.hint()})")
+    run.log.write(progress_line(step, run.args.num_iterations, train_loss=train_loss, **timing))
 
 
-def checkpoint_candidates(args: Hyperparameters) -> list[Path]:
-    """The folder --resume names; for 'latest', every finished checkpoint under log_dir, newest first;
-    for 'auto', those of --run_id's folder (none: a fresh start, so a restarted run finds its own)."""
-    if args.resume in ("latest", "auto"):
-        runs = [Path(args.log_dir) / args.run_id] if args.resume == "auto" else Path(args.log_dir).glob("*")
-        found = [c for run in runs if run.is_dir() for c in complete_checkpoints(run)]
-        if not found and args.resume == "latest":
-            raise UsageError(f"--resume=latest: no finished checkpoint under {args.log_dir}/; "
-                             "train with --checkpoint_every=N first")
-        return sorted(found, key=lambda c: (c.stat().st_mtime, c.name), reverse=True)
-    path = Path(args.resume)
-    if path.name == CHECKPOINT_META and path.is_file():  # the file that makes the folder a checkpoint
-        path = path.parent
-    if not (path / CHECKPOINT_META).is_file():
-        what = "not found" if not path.exists() else f"incomplete (no {CHECKPOINT_META})"
-        raise UsageError(f"checkpoint {path} is {what}; pass a step_N folder or --resume=latest")
-    return [path]
+def run_totals(segments: list[dict], batches: BatchSchedule) -> tuple[int, float | None]:
+    """Tokens of all segments (those an old checkpoint did not record, at this run's schedule) and their total
+    training time (None when an old checkpoint did not record its part)."""
+    tokens = sum(s["tokens"] if s["tokens"] is not None else
+                 batches.tokens_before(s["end_step"]) - batches.tokens_before(s["start_step"]) for s in segments)
+    times = [s["train_time_ms"] for s in segments]
+    return tokens, None if None in times else sum(times)
 
 
-CHECKPOINT_META_TYPES = {"step": int, "loader": dict, "hyperparameters": dict, "files": dict, "source_sha256": str}
-CHECKPOINT_FILE_TYPES = {"bytes": int, "sha256": str}
+def finish(run: Run, start_step: int, clock: Clock, results: Results, watch: FiniteWatch,
+           recompiles: RecompileWatch) -> int:
+    """Memory, energy and final lines, end-of-run samples and checkpoint, then the JSON summary."""
+    args, rt, log, N = run.args, run.rt, run.log, run.args.num_iterations
+    segments = run.segments(start_step, N, clock)
+    tokens, total_ms = run_totals(segments, run.batches)
+    peak_mib, memory_line = peak_memory_mib(rt)
+    energy = clock.energy.totals(rt)
+    joules = energy["train"] if energy else None
+    log.write(memory_line)
+    log.write(energy_line(energy, clock.energy.reason, clock.ms / 1000, segments[-1]["tokens"]))
+    resumed = {"total_train_time": total_ms, "resumes": len(segments) - 1} if len(segments) > 1 else {}
+    log.write(progress_line(None, N, val_loss=results.val_loss, steps=N, tokens=tokens, train_time=clock.ms,
+                            **({k: v for k, v in resumed.items() if v is not None})))
+    samples = log_samples(run.model, args, run.schedules.windows(N), log) \
+        if args.sample_at_end > 0 and rt.is_master else []
+    if args.checkpoint_final:
+        run.save_checkpoint(N, segments, watch)
+    if rt.is_master:
+        kwh = joules / 3.6e6 if joules is not None else None
+        stages = [[run.batches.first_step(i), n, a]
+                  for i, (n, a) in enumerate(zip(run.batches.stage_tokens, run.batches.stage_accum))]
+        summary = {"run_id": run.checkpoints.folder.run_id, "git_commit": git_commit(), "preset": args.preset,
+                   "world_size": rt.world_size, "devices": [device_name(rt)] * rt.world_size, "steps": N,
+                   "tokens": tokens, "final_val_loss": results.val_loss, "train_time_ms": clock.ms,
+                   "peak_memory_mib": peak_mib, "energy_j": joules, "energy_kwh": kwh,
+                   "tokens_per_kwh": segments[-1]["tokens"] / kwh if kwh else None, "val_curve": results.val_curve,
+                   "segments": segments, "total_train_time_ms": total_ms, "resumes": len(segments) - 1,
+                   "recompiles_after_warmup": recompiles.count, "step_avg_ms": clock.ms / max(N - start_step, 1),
+                   "runtime": {**rt.resolved(), "grad_accum_steps": run.batches.stage_accum[-1],
+                               "batch_stages": stages},
+                   "hyperparameters": dataclasses.asdict(args), "status": "finished"}
+        if args.hellaswag_every > 0:
+            summary["hellaswag_curve"] = results.hellaswag_curve
+        if args.sample_at_end > 0:
+            summary["samples"] = samples
+        write_summary(run.checkpoints.folder.summary, summary, log)
+    return 0
 
 
-def is_a(value: object, kind: type) -> bool:
-    """isinstance for JSON values, where true/false must not pass for an int."""
-    return isinstance(value, kind) and not isinstance(value, bool)
+def prepare_downstream(args: Hyperparameters, rt: Runtime, context_len: int) -> list | None:
+    """What --hellaswag_every and --sample_at_end need (the tokenizer, the HellaSwag file), loaded before
+    training so that a missing piece stops the run at start-up. Returns this rank's share of the tokenized
+    HellaSwag examples."""
+    if args.sample_at_end <= 0 and args.hellaswag_every <= 0:
+        return None
+    from evaluation import HELLASWAG_PACK_TOKENS, gpt2_tokenizer, load_hellaswag
+    if args.sample_at_end > 0:
+        gpt2_tokenizer()
+    if args.hellaswag_every <= 0:
+        return None
+    items, _ = load_hellaswag(args.hellaswag_data, min(HELLASWAG_PACK_TOKENS, context_len))
+    return items[rt.rank::rt.world_size]
 
 
-def meta_problem(meta: object) -> str:
-    """What is wrong with a parsed checkpoint.json ('' if nothing): the keys its readers use, with their types."""
-    if not isinstance(meta, dict):
-        return f"it holds a {type(meta).__name__}, not an object"
-    for key, kind in CHECKPOINT_META_TYPES.items():
-        if key not in meta:
-            return f"it has no {key!r}"
-        if not is_a(meta[key], kind):
-            return f"its {key!r} is {meta[key]!r}, not a {kind.__name__}"
-    for name, record in meta["files"].items():
-        if not isinstance(record, dict) or not all(is_a(record.get(k), kind) for k, kind in CHECKPOINT_FILE_TYPES.items()):
-            return f"its record of file {name!r} is {record!r}, not {{bytes, sha256}}"
-    return ""
+def log_samples(model: GPT, args: Hyperparameters, window: Tensor, log: RunLog) -> list[str]:
+    """--sample_at_end: short samples from the final model, one JSON-quoted line each."""
+    from evaluation import end_of_run_samples
+    model.eval()
+    texts = end_of_run_samples(model, args.sample_at_end, int(window[0]), args.seed)
+    model.train()
+    for i, text in enumerate(texts):
+        log.write(f"sample {i + 1}/{len(texts)}: {json.dumps(text)}")
+    return texts
 
 
-def read_checkpoint_meta(path: Path) -> dict:
-    """checkpoint.json, validated (keys and types): the one reader of it, for the trainer and the tools alike;
-    a one-line error when it is truncated, from an older format, or not a checkpoint's."""
+def write_log_header(log: RunLog, args: Hyperparameters, rt: Runtime, run_id: str) -> None:
+    """The sources (this file and the siblings it uses), every resolved hyperparameter and the environment, before
+    the first step line."""
+    if args.hellaswag_every > 0 or args.sample_at_end > 0:
+        import evaluation  # noqa: F401  (imported now, so that its source is embedded below)
+    for name, text in trainer_sources().items():
+        log.write(f"==== {name} ====", echo=False)
+        log.write(text, echo=False)
+        log.write(f"==== end of {name} ====", echo=False)
+    log.write("hyperparameters:", echo=False)
+    for name, value in dataclasses.asdict(args).items():
+        log.write(f"  {name} = {value}", echo=False)
+    batches = batch_schedule(args, rt.world_size)
+    accum = "/".join(map(str, batches.stage_accum))  # one number per batch stage
+    log.write(f"  (derived) grad_accum_steps = {accum}", echo=False)
+    log.write(f"  (derived) batch_stage_tokens = {'/'.join(map(str, batches.stage_tokens))}", echo=False)
+    for line in environment_lines(rt) if rt.is_master else []:
+        log.write(line, echo=False)
+    log.write(f"run {run_id}: preset {args.preset}, {rt.world_size} rank(s) x {accum} micro-step(s), "
+              f"{device_name(rt)}, attention {rt.attention}, fp8 head {rt.fp8_head}, compile {rt.compile}")
+    if line := left_out_line(args):
+        log.write(line)
+    for line in device_notes(args, rt):
+        log.write(line)
+
+
+def trainer_sources() -> dict[str, str]:
+    """This file's source and that of every sibling module it has imported (runlog.trainer_sources)."""
+    return runlog_sources(Path(__file__))
+
+
+def train(argv: list[str], stop: StopSignal) -> int:
+    """Start-up, then the run's phases: set-up, warm-up, resume, the loop (which finishes the run)."""
+    if "--help" in argv or "-h" in argv:
+        print(help_text(parse_overrides(Hyperparameters, [a for a in argv if a not in ("--help", "-h")])))
+        return EXIT_OK
+    args, rt, folder, checkpoint, notes = start(argv)
+    log = RunLog(folder.log if rt.is_master else None)
+    lock_run_log(log, folder.run_id)
     try:
-        meta = json.loads((path / CHECKPOINT_META).read_text())
-    except (OSError, ValueError) as e:
-        raise UsageError(f"checkpoint {path} has an unreadable {CHECKPOINT_META} ({type(e).__name__}): it is "
-                         "truncated or corrupt; resume from an earlier checkpoint") from None
-    if isinstance(meta, dict) and meta.get("format") != CHECKPOINT_FORMAT:
-        raise UsageError(f"checkpoint {path} is in the per-rank format (rank<r>.pt) of a train_gpt.py older than "
-                         f"the {CHECKPOINT_FORMAT} checkpoints; resume it with the train_gpt.py that wrote it "
-                         "(its sha256 is in checkpoint.json) or start afresh")
-    problem = meta_problem(meta)
-    if problem:
-        raise UsageError(f"checkpoint {path} has a {CHECKPOINT_META} that train_gpt.py did not write ({problem}): "
-                         "it is corrupt or edited; resume from an earlier checkpoint") from None
-    return meta
-
-
-def check_compatible(path: Path, meta: dict, args: Hyperparameters) -> None:
-    """Refuses a checkpoint this run cannot continue: another model shape or optimizer layout, or no
-    steps left to train. Any world size can continue any other's checkpoint."""
-    for names, what in ((MODEL_SHAPE_FIELDS, "model"), (OPTIMIZER_STRUCTURE_FIELDS, "optimizer")):
-        for name in names:
-            saved = meta["hyperparameters"].get(name, "(not recorded)")
-            if saved != getattr(args, name):
-                raise UsageError(f"checkpoint {path} has {name}={saved} but this run has {name}={getattr(args, name)}; "
-                                 f"pass the same {what} flags to resume it")
-    if meta["step"] >= args.num_iterations:
-        raise UsageError(f"checkpoint {path} is at step {meta['step']}, at or past --num_iterations="
-                         f"{args.num_iterations}: nothing is left to train; pass a larger --num_iterations")
-
-
-def checkpoint_files_problem(path: Path, meta: dict, rank: int = 0, world_size: int = 1) -> str:
-    """Why a file does not match the size and sha256 in checkpoint.json ('' when all match); each rank
-    checks every world_size-th file, so the ranks share the reading (one process checks them all)."""
-    for name in sorted(meta["files"])[rank::world_size]:
-        recorded, file = meta["files"][name], path / name
-        if not file.is_file():
-            return f"{file} is missing"
-        actual = file_record(file)
-        if actual["bytes"] != recorded["bytes"]:
-            return (f"{file} is unreadable ({actual['bytes']} bytes, {CHECKPOINT_META} recorded "
-                    f"{recorded['bytes']}): it is truncated or corrupt")
-        if actual["sha256"] != recorded["sha256"]:
-            return f"{file} does not match the sha256 in {CHECKPOINT_META} (corrupt)"
-    return ""
-
-
-def choose_checkpoint(args: Hyperparameters, rt: Place) -> tuple[Path | None, list[str]]:
-    """The checkpoint to resume from, verified on every rank at start-up, and lines for the run log.
-
-    An explicit folder that fails verification is refused; --resume=latest falls back to the newest
-    complete checkpoint that verifies, and says so. Incompatible flags are refused either way.
-    """
-    candidates = checkpoint_candidates(args)
-    if rt.world_size > 1:  # every rank walks rank 0's list
-        shared = [candidates]
-        dist.broadcast_object_list(shared, src=0)
-        candidates = shared[0]
-    fallback = args.resume in ("latest", "auto")
-    if not candidates:  # --resume=auto before this run's first checkpoint
-        return None, [f"--resume=auto: no finished checkpoint of run {args.run_id} yet: starting afresh"]
-    notes = []
-    for path in candidates:
+        write_log_header(log, args, rt, folder.run_id)
+        clean_stale_staging(folder, log)
+        for note in notes:
+            log.write(note)
+        run = set_up(args, rt, folder, log)
         try:
-            meta, problem = read_checkpoint_meta(path), ""
-        except UsageError as e:
-            if not fallback:
-                raise
-            meta, problem = None, str(e)
-        if meta is not None:
-            problem = checkpoint_files_problem(path, meta, rt.rank, rt.world_size)
-        if ranks_agree(not problem, rt):
-            if path != candidates[0]:
-                notes.append(f"--resume={args.resume}: falling back to {path}")
-            return path, notes
-        problem = problem or "a file failed verification on another rank"
-        if not fallback:
-            raise UsageError(f"checkpoint {path} failed verification: {problem}; resume from an earlier checkpoint "
-                             "or pass --resume=latest to use the newest one that verifies")
-        notes.append(f"--resume={args.resume}: skipping checkpoint {path}: {problem}")
-    raise UsageError(f"--resume={args.resume}: none of the {len(candidates)} checkpoint(s) under {args.log_dir}/ "
-                     f"verifies (newest: {notes[0].split(': ', 2)[-1]}); start afresh without --resume")
+            if checkpoint is not None:  # before the warm-up's compiles
+                check_same_tensors(checkpoint, training_state(run.model, run.opt, run.stream, 0), rt,
+                                   structure_flags(args))
+            warm_up(run)
+            return train_loop(run, resume(run, checkpoint), stop, checkpoint)
+        finally:
+            run.stream.close()  # no shard reader outlives the run
+    except Interrupted as e:
+        log.write(stopped_before_training(e.signum).removeprefix("error: "), echo=False)  # main() says it once
+        raise
+    except Exception as e:  # the log of a failed run says why it ended, then the error propagates
+        log.write(f"error: {type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}",
+                  echo=False)
+        raise
 
 
-OWNER_ONLY_PREFIXES = ("muon/", "normuon/")  # state that only the rank owning its matrix holds
-
-
-def check_same_tensors(path: Path, state: TrainingState, args: Hyperparameters, rt: Runtime) -> None:
-    """Refuses, on every rank, a checkpoint whose tensors are not this run's (another technique switched on or
-    off, say), naming the first difference and the model and optimizer flags that differ, rather than calling a
-    healthy checkpoint corrupt when DCP misses a key. Each rank holds the Muon state of its own matrices only."""
-    stored = set(dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata)
-    live = set(as_dcp_state(state, rt))
-    lacking = sorted(live - stored)
-    extra = sorted(name for name in stored - live if not name.startswith(OWNER_ONLY_PREFIXES))
-    first = f"this run has {lacking[0]}, which it lacks" if lacking else f"it has {extra[0]}, which this run lacks" \
-        if extra else ""
-    if ranks_agree(not first, rt):
-        return
-    recorded = read_checkpoint_meta(path)["hyperparameters"]
-    names = [f.name for f in fields(ModelConfig)] + list(OPTIMIZER_STRUCTURE_FIELDS)
-    differ = [f"{n}={recorded.get(n, '(not recorded)')} here {getattr(args, n)}" for n in names
-              if hasattr(args, n) and recorded.get(n) != getattr(args, n)]
-    raise UsageError(f"checkpoint {path} holds other tensors than this run's model and optimizers "
-                     f"({first or 'on another rank'}); it was written with {', '.join(differ[:4]) or 'other flags'}: "
-                     "pass its flags to resume it")
-
-
-def load_checkpoint(path: Path, state: TrainingState, rt: Runtime, log: RunLog) -> TrainingState:
-    """Fills the live tensors from a checkpoint folder that choose_checkpoint verified at start-up, each
-    rank reading the pieces its own layout needs (DCP re-cuts the Adam slices for this world size)."""
-    meta = read_checkpoint_meta(path)
-    if meta["source_sha256"] != source_sha256():
-        log.write(f"warning: train_gpt.py changed since checkpoint {path} was written")
-    try:
-        dcp_call(dcp.load, as_dcp_state(state, rt), path, rt.world_size)
-    except (OSError, RuntimeError, ValueError, CheckpointException) as e:
-        raise UsageError(f"checkpoint {path} is unreadable ({write_failure(e)}); it is truncated or corrupt: "
-                         "resume from an earlier checkpoint") from None
-    return TrainingState(step=meta["step"], loader=meta["loader"], tensors=state.tensors,
-                         segments=recorded_segments(meta))
-
-
-def verified_checkpoint_meta(path: Path) -> dict:
-    """checkpoint.json of a folder whose every file matches its recorded size and sha256, checked in this one
-    process as the trainer checks them: what a program reading a checkpoint outside training trusts."""
-    meta = read_checkpoint_meta(path)
-    problem = checkpoint_files_problem(path, meta)
-    if problem:
-        raise UsageError(f"checkpoint {path} failed verification: {problem}; use another step_N folder")
-    return meta
-
-
-def read_checkpoint_tensors(path: Path, prefix: str = "model/") -> dict[str, Tensor]:
-    """The whole (unsharded) tensors under prefix in a verified checkpoint folder, read in one process on CPU:
-    model/ for the weights (tools/: sampling, export), adam/ or muon/ for the optimizer state."""
-    verified_checkpoint_meta(path)
-    try:
-        stored = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
-        tensors = {name: torch.empty(tuple(m.size), dtype=m.properties.dtype) for name, m in stored.items()
-                   if name.startswith(prefix)}
-        dcp_call(dcp.load, tensors, path, 1)
-    except (OSError, RuntimeError, ValueError, EOFError, pickle.UnpicklingError, CheckpointException) as e:
-        raise UsageError(f"checkpoint {path} is unreadable ({write_failure(e)}); it is truncated or corrupt: "
-                         "use another step_N folder") from None
-    return {name.removeprefix(prefix): t for name, t in tensors.items()}
-
+# -----------------------------------------------------------------------------
+# Stopping: signals, a failed peer, and the end of a distributed run
 
 class Interrupted(BaseException):
     """A signal before the training loop: nothing to save yet. A BaseException, like KeyboardInterrupt,
@@ -3241,698 +3001,6 @@ class StopSignal:
         return agreed
 
 
-SIGNALS = StopSignal()  # installed by train() on its first line
-
-
-# -----------------------------------------------------------------------------
-# Beyond the loss: samples and HellaSwag (--sample_at_end, --hellaswag_every; tools/sample.py and
-# tools/hellaswag.py run the same code on a saved model)
-
-def gpt2_tokenizer():
-    """tiktoken's GPT-2 encoding (tiktoken downloads it once, then reads it from its cache)."""
-    try:
-        import tiktoken  # an optional extra: only the downstream checks need it
-    except ImportError:
-        raise UsageError("the GPT-2 tokenizer needs tiktoken: pip install -r requirements-extras.txt") from None
-    try:
-        return tiktoken.get_encoding("gpt2")
-    except Exception as e:  # network and cache errors of tiktoken's one-time download take many forms
-        raise UsageError(f"cannot load the GPT-2 tokenizer ({type(e).__name__}): tiktoken downloads it once; "
-                         "connect to the internet, or set TIKTOKEN_CACHE_DIR to a folder holding its cache") from None
-
-
-def next_token(logits: Tensor, vocab_size: int, softcap: Softcap, temperature: float, top_k: int,
-               generator: torch.Generator | None) -> int:
-    """Greedy at temperature 0, else a draw from the softcapped distribution (top_k > 0 keeps the k likeliest).
-    The head's padding rows beyond the vocabulary are never drawn."""
-    logits = apply_softcap(logits[:vocab_size], softcap)
-    if temperature <= 0:
-        return int(logits.argmax())
-    logits = logits / temperature
-    if 0 < top_k < vocab_size:
-        kth = torch.topk(logits, top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    return int(torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator))
-
-
-def padded_to_blocks(tokens: list[int], device: torch.device) -> Tensor:
-    """tokens followed by EOTs up to whole 128-token blocks (causal: the padding changes no earlier logit)."""
-    return torch.tensor(tokens + [EOT_TOKEN] * (-len(tokens) % BLOCK_SIZE), device=device)
-
-
-@torch.no_grad()
-def generate(model: GPT, prompt: list[int], max_new_tokens: int, window_blocks: int, temperature: float = 1.0,
-             top_k: int = 0, generator: torch.Generator | None = None, kv_cache: bool = True) -> list[int]:
-    """New tokens after prompt (which fits the context), stopping before an EOT the model emits. kv_cache=False
-    runs the ordinary forward over the whole prefix for every token: the reference the cache is tested against."""
-    device = model.embed.weight.device
-    out: list[int] = []
-    if kv_cache:
-        cache = KVCache(model, window_tensor(window_blocks), max_len=len(prompt) + max_new_tokens)
-        logits = model.decode(torch.tensor(prompt, device=device), cache)
-    window = window_tensor(window_blocks, device)
-    for i in range(max_new_tokens):
-        if not kv_cache:
-            sequence = prompt + out
-            logits = model.logits(padded_to_blocks(sequence, device), window)[0, len(sequence) - 1]
-        token = next_token(logits, model.vocab_size, model.softcap, temperature, top_k, generator)
-        if token == EOT_TOKEN:
-            break
-        out.append(token)
-        if kv_cache and i + 1 < max_new_tokens:
-            logits = model.decode(torch.tensor([token], device=device), cache)
-    return out
-
-
-END_OF_RUN_TOKENS = 64  # --sample_at_end: short samples from a document start ...
-END_OF_RUN_TOP_K = 50  # ... at temperature 1 among the 50 likeliest tokens
-
-
-def end_of_run_samples(model: GPT, n: int, window_blocks: int, seed: int) -> list[str]:
-    """--sample_at_end: n short unconditional samples, drawn with a generator of their own."""
-    enc = gpt2_tokenizer()
-    generator = torch.Generator(device=model.embed.weight.device).manual_seed(seed)
-    return [enc.decode(generate(model, [EOT_TOKEN], END_OF_RUN_TOKENS, window_blocks, 1.0, END_OF_RUN_TOP_K,
-                                generator)) for _ in range(n)]
-
-
-HELLASWAG_COMMIT = "a29ff8e9a04bba4bd6588223785ce105328adc57"  # github.com/rowanz/hellaswag
-HELLASWAG_URL = f"https://raw.githubusercontent.com/rowanz/hellaswag/{HELLASWAG_COMMIT}/data/hellaswag_val.jsonl"
-HELLASWAG_BLOB_SHA1 = "0f5ee25d72216f12317d5d8a7b92deafa423d81e"  # git's id of hellaswag_val.jsonl at that commit
-HELLASWAG_FILE = "hellaswag_val.jsonl"
-HELLASWAG_FETCH_HINT = (f"fetch it by hand: curl -L -o {HELLASWAG_FILE} {HELLASWAG_URL}, then pass it as "
-                        "--hellaswag_data (tools/hellaswag.py: --data)")
-HELLASWAG_PACK_TOKENS = 1024  # candidates are scored packed into sequences of at most this many tokens
-
-
-def git_blob_id(data: bytes) -> str:
-    """git's id of a file's content, how GitHub names the pinned HellaSwag file: sha1 of b"blob <size>\\0" + data."""
-    return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
-
-
-def download_cache_dir() -> Path:
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "gpt2-speedrun"
-
-
-def download_hellaswag(url: str, target: Path, expected: str) -> None:
-    """Fetches url into target, atomically, only if its content has the expected git blob id."""
-    import urllib.request  # only the first HellaSwag run downloads
-    try:
-        with urllib.request.urlopen(url, timeout=60) as response:
-            data = response.read()
-    except Exception as e:  # DNS, refused connections, HTTP errors, timeouts
-        raise UsageError(f"cannot download the HellaSwag validation file ({type(e).__name__}: "
-                         f"{' '.join(str(e).split())[:120]}); {HELLASWAG_FETCH_HINT}") from None
-    if git_blob_id(data) != expected:
-        raise UsageError(f"the downloaded HellaSwag file has git blob id {git_blob_id(data)}, expected {expected}: "
-                         f"corrupt or changed; {HELLASWAG_FETCH_HINT}")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    part = target.with_name(f"{target.name}.part{os.getpid()}")  # ranks of one node may download at once
-    part.write_bytes(data)
-    os.replace(part, target)
-
-
-def cached_hellaswag_file(cache_dir: Path | None = None, url: str = HELLASWAG_URL,
-                          expected: str = HELLASWAG_BLOB_SHA1) -> Path:
-    """The pinned validation file: downloaded on first use, verified on every use."""
-    path = (cache_dir or download_cache_dir()) / HELLASWAG_FILE
-    if path.is_file():
-        found = git_blob_id(path.read_bytes())
-        if found == expected:
-            return path
-        print(f"warning: cached {path} has git blob id {found}, expected {expected}; downloading it again",
-              file=sys.stderr)
-    download_hellaswag(url, path, expected)
-    return path
-
-
-@dataclass
-class HellaSwagExample:
-    context: str
-    endings: list[str]
-    label: int
-
-    @property
-    def well_formed(self) -> bool:  # endings a list of 4 strings: a 4-letter string would pass as 4 endings
-        return isinstance(self.context, str) and isinstance(self.endings, list) and len(self.endings) == 4 \
-            and all(isinstance(e, str) for e in self.endings) and 0 <= self.label < 4
-
-
-def read_hellaswag(path: Path) -> list[HellaSwagExample]:
-    """The validation split's JSONL: one object per line with "ctx", four "endings" and the "label" index."""
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except FileNotFoundError:
-        raise UsageError(f"HellaSwag file {path} does not exist; {HELLASWAG_FETCH_HINT}") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise UsageError(f"cannot read HellaSwag file {path} ({type(e).__name__}); {HELLASWAG_FETCH_HINT}") from None
-    examples = []
-    for number, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-            example = HellaSwagExample(row["ctx"], row["endings"], int(row["label"]))
-            ok = example.well_formed
-        except (ValueError, KeyError, TypeError):
-            ok = False
-        if not ok:
-            raise UsageError(f"line {number} of {path} is not a HellaSwag example (needs ctx, 4 endings and a "
-                             f"label 0-3): corrupt or another format; {HELLASWAG_FETCH_HINT}")
-        examples.append(example)
-    if not examples:
-        raise UsageError(f"HellaSwag file {path} holds no examples; {HELLASWAG_FETCH_HINT}")
-    return examples
-
-
-@dataclass
-class Candidate:
-    tokens: list[int]  # EOT, context, ending
-    ending_start: int  # index of the ending's first token
-
-
-def candidates(example: HellaSwagExample, enc, max_tokens: int) -> list[Candidate]:
-    """The four scored sequences; a context too long for max_tokens loses its oldest tokens."""
-    context = enc.encode_ordinary(example.context)
-    out = []
-    for ending in example.endings:
-        end = enc.encode_ordinary(" " + ending)[:max_tokens - 2]
-        kept = context[max(0, len(context) - (max_tokens - 1 - len(end))):]
-        out.append(Candidate([EOT_TOKEN] + kept + end, 1 + len(kept)))
-    return out
-
-
-def tokenized_hellaswag(examples: list[HellaSwagExample], enc, max_tokens: int) -> list[tuple[list[Candidate], int]]:
-    return [(candidates(e, enc, max_tokens), e.label) for e in examples]
-
-
-def load_hellaswag(data: str, max_tokens: int, cache_dir: Path | None = None) -> tuple[list, Path]:
-    """Tokenized examples of a local file (data), or of the pinned validation file when data is empty."""
-    path = Path(data) if data else cached_hellaswag_file(cache_dir)
-    return tokenized_hellaswag(read_hellaswag(path), gpt2_tokenizer(), max_tokens), path
-
-
-def candidate_packs(rows: list[Candidate], pack_tokens: int):
-    """Candidates laid out in sequences of pack_tokens, each starting on a 128-token block boundary.
-
-    Every candidate starts with EOT, so the model's document mask keeps them apart, and on a block
-    boundary its sliding windows cover what they would at position 0. Yields (tokens, [(index, start)]).
-    """
-    layout, used = [], 0
-    for index, row in enumerate(rows):
-        size = next_multiple(len(row.tokens), BLOCK_SIZE)
-        if layout and used + size > pack_tokens:
-            yield layout, used
-            layout, used = [], 0
-        layout.append((index, used))
-        used += size
-    if layout:
-        yield layout, used
-
-
-@torch.no_grad()
-def ending_losses(model: GPT, rows: list[Candidate], window: Tensor, pack_tokens: int) -> list[Tensor]:
-    """Per-token losses (fp32) of each candidate's ending, in order."""
-    device = model.embed.weight.device
-    out: list[Tensor | None] = [None] * len(rows)
-    for layout, used in candidate_packs(rows, pack_tokens):
-        sequence = torch.full((used,), EOT_TOKEN, dtype=torch.int64)
-        for index, start in layout:
-            sequence[start:start + len(rows[index].tokens)] = torch.tensor(rows[index].tokens)
-        sequence = sequence.to(device)
-        logits = apply_softcap(model.logits(sequence, window)[0], model.softcap)
-        losses = F.cross_entropy(logits[:-1], sequence[1:], reduction="none")  # losses[p]: token p + 1
-        for index, start in layout:
-            row = rows[index]
-            out[index] = losses[start + row.ending_start - 1:start + len(row.tokens) - 1]
-    return out
-
-
-@dataclass
-class HellaSwagScore:
-    examples: int
-    correct: int  # acc: lowest summed ending loss
-    correct_norm: int  # acc_norm: lowest mean ending loss
-    predictions: list[tuple[int, int]]  # (acc choice, acc_norm choice) per example
-
-    @property
-    def acc(self) -> float:
-        return self.correct / max(self.examples, 1)
-
-    @property
-    def acc_norm(self) -> float:
-        return self.correct_norm / max(self.examples, 1)
-
-
-def hellaswag_score(model: GPT, items: list[tuple[list[Candidate], int]], window_blocks: int,
-                    pack_tokens: int = HELLASWAG_PACK_TOKENS) -> HellaSwagScore:
-    """acc and acc_norm over tokenized examples (ties go to the first ending)."""
-    pack_tokens = min(pack_tokens, model.context_len)
-    window = window_tensor(window_blocks, model.embed.weight.device)
-    losses = ending_losses(model, [row for rows, _ in items for row in rows], window, pack_tokens)
-    predictions, correct, correct_norm = [], 0, 0
-    for i, (_, label) in enumerate(items):
-        mine = losses[4 * i:4 * i + 4]
-        sums, means = torch.stack([l.sum() for l in mine]), torch.stack([l.mean() for l in mine])
-        choice = (int(sums.argmin()), int(means.argmin()))
-        predictions.append(choice)
-        correct += choice[0] == label
-        correct_norm += choice[1] == label
-    return HellaSwagScore(len(items), correct, correct_norm, predictions)
-
-
-# -----------------------------------------------------------------------------
-# Training loop
-
-@torch.no_grad()
-def evaluate(model, val_seqs: list[np.ndarray], window: Tensor, rt: Runtime) -> float:
-    """Mean loss over the whole validation budget (every sequence has the same length), across ranks."""
-    model.eval()
-    total = torch.zeros((), dtype=torch.float64, device=rt.device)
-    for seq in val_seqs:
-        total += model(*to_device(seq, rt.device), window).double()
-    stats = torch.stack([total, torch.tensor(float(len(val_seqs)), dtype=torch.float64, device=rt.device)])
-    if rt.world_size > 1:
-        dist.all_reduce(stats)
-    model.train()
-    return (stats[0] / stats[1]).item()
-
-
-def prepare_downstream(args: Hyperparameters, rt: Runtime, context_len: int) -> list | None:
-    """What --hellaswag_every and --sample_at_end need (the tokenizer, the HellaSwag file), loaded before
-    training so that a missing piece stops the run at start-up. Returns this rank's share of the tokenized
-    HellaSwag examples."""
-    if args.sample_at_end > 0:
-        gpt2_tokenizer()
-    if args.hellaswag_every <= 0:
-        return None
-    items, _ = load_hellaswag(args.hellaswag_data, min(HELLASWAG_PACK_TOKENS, context_len))
-    return items[rt.rank::rt.world_size]
-
-
-@torch.no_grad()
-def hellaswag_accuracy(model: GPT, items: list, window: Tensor, rt: Runtime) -> tuple[float, float, int]:
-    """(acc, acc_norm, examples) over every rank's share, the counts summed like evaluate()'s losses."""
-    model.eval()
-    result = hellaswag_score(model, items, int(window[0]))
-    counts = torch.tensor([result.correct, result.correct_norm, result.examples], dtype=torch.float64,
-                          device=rt.device)
-    if rt.world_size > 1:
-        dist.all_reduce(counts)
-    model.train()
-    correct, correct_norm, n = counts.tolist()
-    return correct / n, correct_norm / n, int(n)
-
-
-def log_samples(model: GPT, args: Hyperparameters, window: Tensor, log: RunLog) -> list[str]:
-    """--sample_at_end: short samples from the final model, one JSON-quoted line each."""
-    model.eval()
-    texts = end_of_run_samples(model, args.sample_at_end, int(window[0]), args.seed)
-    model.train()
-    for i, text in enumerate(texts):
-        log.write(f"sample {i + 1}/{len(texts)}: {json.dumps(text)}")
-    return texts
-
-
-def mean_over_ranks(value: Tensor, rt: Runtime) -> float:
-    value = value.detach().double()
-    if rt.world_size > 1:
-        dist.all_reduce(value)
-        value /= rt.world_size
-    return value.item()
-
-
-def peak_memory_mib(rt: Runtime) -> tuple[float, str]:
-    if rt.is_cuda:
-        allocated = torch.cuda.max_memory_allocated(rt.device) / 2**20
-        reserved = torch.cuda.max_memory_reserved(rt.device) / 2**20
-        return allocated, f"peak memory allocated: {allocated:.0f} MiB reserved: {reserved:.0f} MiB"
-    import resource
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    return rss, f"peak memory: {rss:.0f} MiB (rank 0 process max RSS; no device memory on CPU)"
-
-
-def run_id_problem(args: Hyperparameters, run_id: str, checkpoint: Path | None) -> str:
-    """Why this launch may not write under run_id ('' if it may): never two runs' results or checkpoints under one
-    id. A finished run's id is refused; so is one with checkpoints or a log, unless this launch continues that run
-    (it resumes one of the run's own checkpoints, or --resume=auto starts afresh before its first checkpoint)."""
-    log_dir = Path(args.log_dir)
-    log, summary, root = log_dir / f"{run_id}.txt", log_dir / f"{run_id}.json", log_dir / run_id
-    if log.exists() and not owner_is_gone(log):
-        return f"run {run_id} is running in another process ({log} is locked); wait for it to end or pick another --run_id"
-    if summary.exists():
-        return (f"run {run_id} has finished ({summary} holds its result, which is kept): pass another --run_id to start "
-                f"anew, or to train it further from one of its checkpoints (--resume={root}/step_N --run_id=NEW)")
-    if args.resume == "auto" or checkpoint is not None and checkpoint.parent.resolve() == root.resolve():
-        return ""
-    if checkpoints := complete_checkpoints(root):
-        return (f"run {run_id} has checkpoints ({checkpoints[-1]}): continue it with --resume={checkpoints[-1]}, or "
-                "pass another --run_id to start anew")
-    if log.exists():
-        return (f"run {run_id} already has a log ({log}) of a launch that ended before a checkpoint or a result: pass "
-                f"another --run_id, or delete {log} to reuse the name")
-    return ""
-
-
-def claim_run_id(args: Hyperparameters, place: Place, checkpoint: Path | None = None) -> str:
-    """--run_id; else a resumed run keeps its checkpoint's run folder (so checkpoint_keep caps its disk
-    use), and a fresh run gets time, preset and a random suffix. Rank 0 decides, and checks that the id is free
-    (run_id_problem); every rank refuses together."""
-    run_id = args.run_id or (checkpoint.parent.name if checkpoint else None) or \
-        f"{time.strftime('%Y%m%d-%H%M%S')}_{args.preset}_{uuid.uuid4().hex[:6]}"
-    decided = [run_id, run_id_problem(args, run_id, checkpoint) if place.is_master else ""]
-    if place.world_size > 1:
-        dist.broadcast_object_list(decided, src=0)
-    if decided[1]:
-        raise UsageError(decided[1])
-    return decided[0]
-
-
-def write_log_header(log: RunLog, args: Hyperparameters, rt: Runtime, batches: BatchSchedule, run_id: str) -> None:
-    """Source, every resolved hyperparameter and the environment, before the first step line."""
-    log.write("==== train_gpt.py ====", echo=False)
-    log.write(Path(__file__).read_text(), echo=False)
-    log.write("==== end of train_gpt.py ====", echo=False)
-    log.write("hyperparameters:", echo=False)
-    for name, value in dataclasses.asdict(args).items():
-        log.write(f"  {name} = {value}", echo=False)
-    accum = "/".join(map(str, batches.stage_accum))  # one number per batch stage
-    log.write(f"  (derived) grad_accum_steps = {accum}", echo=False)
-    log.write(f"  (derived) batch_stage_tokens = {'/'.join(map(str, batches.stage_tokens))}", echo=False)
-    for line in environment_lines(rt) if rt.is_master else []:
-        log.write(line, echo=False)
-    log.write(f"run {run_id}: preset {args.preset}, {rt.world_size} rank(s) x {accum} micro-step(s), "
-              f"{device_name(rt)}, attention {rt.attention}, fp8 head {rt.fp8_head}, compile {rt.compile}")
-    if line := left_out_line(args):
-        log.write(line)
-
-
-def write_summary(path: Path, summary: dict, log: RunLog) -> None:
-    """The machine-readable result next to the log, written atomically."""
-    try:
-        path.with_suffix(".json.part").write_text(json.dumps(summary, indent=1))
-        os.replace(path.with_suffix(".json.part"), path)
-    except OSError as e:
-        raise RunFailed(f"cannot write {path}: {e.strerror}; the run log {log.path} is complete") from None
-
-
-def train(argv: list[str]) -> int:
-    SIGNALS.install()  # from the first line on: a signal during start-up ends the run in one line, not a traceback
-    if "--help" in argv or "-h" in argv:
-        print(help_text())
-        return EXIT_OK
-    overrides = parse_overrides(argv)
-    args = resolve_hyperparameters(overrides, torch.cuda.is_available())
-    place = join_process_group(args)
-    if place.is_master and args.preset == "cpu" and not torch.cuda.is_available() and "preset" not in overrides:
-        print("no GPU found: running the cpu preset (small model, bundled sample data); "
-              "pass --preset=speedrun to force the reference recipe", flush=True)
-    batch_schedule(args, place.world_size)  # a world size that cannot split the batch is refused first
-    checkpoint, notes = choose_checkpoint(args, place) if args.resume else (None, [])
-    if checkpoint is not None:
-        meta = read_checkpoint_meta(checkpoint)
-        args, resumed = resumed_hyperparameters(meta["hyperparameters"], overrides, args, checkpoint)
-        check_compatible(checkpoint, meta, args)
-        notes += resumed
-    rt = choose_runtime(place, args)
-    batches = batch_schedule(args, rt.world_size)
-    run_id = claim_run_id(args, rt, checkpoint)
-    log = RunLog(Path(args.log_dir) / f"{run_id}.txt" if rt.is_master else None)
-    lock_run_log(log, run_id)
-    try:
-        write_log_header(log, args, rt, batches, run_id)
-        clean_stale_staging(args, run_id, log)
-        for note in notes:
-            log.write(note)
-        return run_training(args, rt, log, batches, run_id, checkpoint)
-    except Interrupted as e:
-        log.write(stopped_before_training(e.signum).removeprefix("error: "), echo=False)  # main() says it once
-        raise
-    except Exception as e:  # the log of a failed run says why it ended, then the error propagates
-        log.write(f"error: {type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}",
-                  echo=False)
-        raise
-
-
-@dataclass
-class Trainer:
-    """What set-up builds and every phase of the run uses."""
-    args: Hyperparameters
-    rt: Runtime
-    log: RunLog
-    run_id: str
-    batches: BatchSchedule
-    model: GPT
-    compiled: nn.Module  # the model as the steps call it (torch.compile'd under --compile=model)
-    opt: Optimizers
-    stream: TokenStream
-    loader: DistributedTokenLoader
-    schedules: StepTensors
-    val_seqs: list[np.ndarray]
-    hellaswag_items: list | None
-    earlier_segments: list[dict] = dataclasses.field(default_factory=list)  # of the checkpoint resumed from
-
-    def segments(self, start_step: int, step: int, clock: Clock) -> list[dict]:
-        """The run's history through `step`: the earlier launches, then this one's steps and time so far."""
-        tokens = self.batches.tokens_before(step) - self.batches.tokens_before(start_step)
-        return self.earlier_segments + [segment(self.run_id, start_step, step, tokens, clock.ms)]
-
-
-@dataclass
-class Progress:
-    """What the loop has measured so far: the JSON summary's curves."""
-    val_loss: float = float("nan")
-    val_curve: list = dataclasses.field(default_factory=list)  # [step, val_loss, train_time_ms]
-    hellaswag_curve: list = dataclasses.field(default_factory=list)  # [step, acc, acc_norm, examples]
-
-
-def set_up(args: Hyperparameters, rt: Runtime, log: RunLog, batches: BatchSchedule, run_id: str) -> Trainer:
-    """Data, model and optimizers: everything that can fail on bad input fails here, before step 0."""
-    train_files = find_shards(args.train_files, "training")
-    val_files = find_shards(args.val_files, "validation")
-    for f in train_files:
-        shard_token_count(f)
-    val_seqs = validation_sequences(val_files, args, rt.rank, rt.world_size)
-    torch.manual_seed(args.seed)
-    model = build_model(args, rt)
-    compiled = torch.compile(model, dynamic=False) if rt.compile == "model" else model
-    opt = build_optimizers(model, args, rt.rank, rt.world_size, compiled=rt.compile == "model")
-    stream = TokenStream(train_files, args.vocab_size, cycle=args.train_cycle, read_ahead=True)
-    loader = DistributedTokenLoader(stream, args.seq_len, rt.rank, rt.world_size, args.bos_align, args.doc_len_cap,
-                                    rt.device)
-    return Trainer(args, rt, log, run_id, batches, model, compiled, opt, stream, loader, StepTensors(args, rt.device),
-                   val_seqs, prepare_downstream(args, rt, model.context_len))
-
-
-def train_step(t: Trainer, step: int) -> Tensor:
-    """One optimizer step over the stage's micro-batches; returns this rank's mean loss (on the device)."""
-    args, windows, accum = t.args, t.schedules.windows(step), t.batches.accum(step)
-    mtp = t.schedules.mtp_weights(step)
-    losses = []
-    for i, (x, y) in enumerate(t.loader.next_batch(accum)):
-        t.opt.sync.arm(i == accum - 1)
-        loss = t.compiled(x, y, windows, *mtp)
-        loss.backward()
-        losses.append(loss.detach())
-    lr_mult = lr_multiplier(step, args.num_iterations, args.cooldown_frac, args.lr_final_frac) * t.batches.lr_scale(step)
-    t.opt.step(lr_mult, muon_momentum(step, args.muon_momentum_warmup_steps, args.muon_momentum_start,
-                                      args.muon_momentum), accum)
-    t.model.zero_grad(set_to_none=True)  # R: the next backward writes fresh gradients, no zeroing kernels
-    return torch.stack(losses).mean()
-
-
-def warm_up(t: Trainer) -> None:
-    """Compile and warm the kernels on real shapes (training and validation), then forget it happened."""
-    if t.args.warmup_steps <= 0:
-        return
-    live = training_state(t.model, t.opt, t.stream, 0)
-    saved = {name: local_part(x).clone() for name, x in live.tensors.items()}
-    for step in range(t.args.warmup_steps):
-        train_step(t, step)
-    evaluate(t.compiled, t.val_seqs[:1], t.schedules.windows(0), t.rt)
-    with torch.no_grad():
-        for name, x in live.tensors.items():
-            local_part(x).copy_(saved[name])
-    t.stream.load_state(live.loader)
-
-
-def resume(t: Trainer, checkpoint: Path | None) -> int:
-    """The step to start from: 0, or the checkpoint's step with its full training state restored."""
-    if checkpoint is None:
-        return 0
-    state = load_checkpoint(checkpoint, training_state(t.model, t.opt, t.stream, 0), t.rt, t.log)
-    t.stream.load_state(state.loader)
-    t.earlier_segments = state.segments
-    t.log.write(f"resumed from {checkpoint} at step {state.step}")
-    set_aside_newer_checkpoints(checkpoint_root(t.args, t.run_id), checkpoint, t.rt, t.log)
-    return state.step
-
-
-def run_training(args: Hyperparameters, rt: Runtime, log: RunLog, batches: BatchSchedule, run_id: str,
-                 checkpoint: Path | None) -> int:
-    """Set-up, the untimed warm-up, then the timed loop; returns the process exit status."""
-    t = set_up(args, rt, log, batches, run_id)
-    try:
-        if checkpoint is not None:  # before the warm-up's compiles
-            check_same_tensors(checkpoint, training_state(t.model, t.opt, t.stream, 0), args, rt)
-        warm_up(t)
-        return train_loop(t, resume(t, checkpoint), checkpoint)
-    finally:
-        t.stream.close()  # no shard reader outlives the run
-
-
-def due(step: int, every: int) -> bool:
-    return every > 0 and step % every == 0
-
-
-def train_loop(t: Trainer, start_step: int, checkpoint: Path | None) -> int:
-    """The record's loop: validate (and score HellaSwag) when due, checkpoint or stop when due, train."""
-    args, rt, log, N = t.args, t.rt, t.log, t.args.num_iterations
-    energy, recompiles, stop = EnergyMeter.open(rt), RecompileWatch().start(), SIGNALS.defer()
-    clock, progress, watch = Clock(rt, energy), Progress(), FiniteWatch(rt.device, start_step, checkpoint)
-    clock.start()
-    exit_status = None
-    with profiling(t) as profiler:  # stopped on every way out of the loop
-        for step in range(start_step, N + 1):
-            last = step == N
-            # ---------------- VALIDATION ----------------
-            validate_now, hellaswag_now = last or due(step, args.val_every), \
-                t.hellaswag_items is not None and (last or due(step, args.hellaswag_every))
-            if validate_now or hellaswag_now:
-                clock.pause()
-                if validate_now:
-                    validate(t, step, start_step, clock, progress, watch)
-                if hellaswag_now:
-                    score_hellaswag(t, step, progress)
-                if last:
-                    break
-                clock.start()
-            # ---------------- CHECKPOINT OR STOP ----------------
-            exit_status = checkpoint_or_stop(t, step, start_step, stop.agreed(rt), clock, watch)
-            if exit_status is not None:
-                break
-            # ---------------- TRAINING ----------------
-            loss = train_step(t, step)
-            watch.observe(loss)
-            for reason in recompiles.drain():
-                log.write(f"warning: torch.compile recompiled after warm-up at step {step + 1}: {reason}")
-            if profiler is not None:
-                profiler.step()
-            log_train_step(t, step + 1, start_step, loss, clock, watch)
-    stop.settle()  # every rank started the same agreements, so the last one completes
-    return exit_status if exit_status is not None else finish(t, start_step, clock, progress, watch, recompiles)
-
-
-def profiling(t: Trainer):
-    """The profiler as a context (started on entry, stopped on every way out), or a stand-in that does nothing."""
-    if t.args.profile_steps <= 0:
-        return contextlib.nullcontext()
-    return make_profiler(t.args, t.rt, Path(t.args.log_dir) / f"{t.run_id}_rank{t.rt.rank}.trace.json")
-
-
-def validate(t: Trainer, step: int, start_step: int, clock: Clock, progress: Progress, watch: FiniteWatch) -> None:
-    """Validation loss on the whole held-out budget, logged with the training time so far."""
-    progress.val_loss = evaluate(t.compiled, t.val_seqs, t.schedules.windows(step), t.rt)
-    progress.val_curve.append([step, progress.val_loss, clock.ms])
-    joules, _ = clock.energy.total(t.rt)
-    t.log.write(progress_line(step, t.args.num_iterations, val_loss=progress.val_loss, train_time=clock.ms,
-                              step_avg=clock.ms / max(step - start_step, 1),
-                              **({"energy": joules} if joules is not None else {})))
-    if not math.isfinite(progress.val_loss):
-        raise RunFailed(f"validation loss is {progress.val_loss} at step {step}; the run diverged "
-                         f"(lower the learning rates and resume: {watch.hint()})")
-
-
-def score_hellaswag(t: Trainer, step: int, progress: Progress) -> None:
-    started = time.perf_counter()
-    acc, acc_norm, n = hellaswag_accuracy(t.model, t.hellaswag_items, t.schedules.windows(step), t.rt)
-    progress.hellaswag_curve.append([step, acc, acc_norm, n])
-    t.log.write(progress_line(step, t.args.num_iterations, hellaswag_acc=acc, hellaswag_acc_norm=acc_norm,
-                              hellaswag_examples=n, hellaswag_time=1000 * (time.perf_counter() - started)))
-
-
-def checkpoint_or_stop(t: Trainer, step: int, start_step: int, signum: int | None, clock: Clock,
-                       watch: FiniteWatch) -> int | None:
-    """Before training step+1: write a checkpoint when one is due, a signal came or --stop_after is
-    reached; returns the exit status when the run stops here, None to go on."""
-    args, log = t.args, t.log
-    stop_after = args.stop_after > 0 and step == args.stop_after
-    if not (due(step, args.checkpoint_every) and step > start_step or signum or stop_after):
-        return None
-    checkpointing = args.checkpoint_every > 0 or args.checkpoint_final or args.stop_after > 0
-    with clock.paused():
-        if checkpointing:
-            save_finite_checkpoint(t, watch, step, t.segments(start_step, step, clock))
-    if signum:
-        log.write(f"stopped by signal {signal.Signals(signum).name} before step {step + 1}"
-                  + ("; resume with --resume=latest" if checkpointing else " (no checkpoints enabled)"))
-        return 128 + signum
-    if stop_after:
-        log.write(f"stopped after step {step} as asked (--stop_after); resume with --resume=latest")
-        return 0
-    return None
-
-
-def log_train_step(t: Trainer, step: int, start_step: int, loss: Tensor, clock: Clock, watch: FiniteWatch) -> None:
-    """The step line; with --log_train_loss also the loss averaged over ranks (one device sync)."""
-    ms = clock.elapsed_ms()
-    timing = dict(train_time=ms, step_avg=ms / (step - start_step))
-    if not t.args.log_train_loss:
-        t.log.write(progress_line(step, t.args.num_iterations, **timing))
-        return
-    train_loss = mean_over_ranks(loss, t.rt)
-    if not math.isfinite(train_loss):
-        raise RunFailed(f"training loss is {train_loss} at step {step}; stopping (lower the learning rates and "
-                         f"resume: {watch.hint()})")
-    t.log.write(progress_line(step, t.args.num_iterations, train_loss=train_loss, **timing))
-
-
-def run_totals(segments: list[dict], batches: BatchSchedule) -> tuple[int, float | None]:
-    """Tokens of all segments (those an old checkpoint did not record, at this run's schedule) and their total
-    training time (None when an old checkpoint did not record its part)."""
-    tokens = sum(s["tokens"] if s["tokens"] is not None else
-                 batches.tokens_before(s["end_step"]) - batches.tokens_before(s["start_step"]) for s in segments)
-    times = [s["train_time_ms"] for s in segments]
-    return tokens, None if None in times else sum(times)
-
-
-def finish(t: Trainer, start_step: int, clock: Clock, progress: Progress, watch: FiniteWatch,
-           recompiles: RecompileWatch) -> int:
-    """Memory, energy and final lines, end-of-run samples and checkpoint, then the JSON summary."""
-    args, rt, log, N = t.args, t.rt, t.log, t.args.num_iterations
-    segments = t.segments(start_step, N, clock)
-    tokens, total_ms = run_totals(segments, t.batches)
-    peak_mib, memory_line = peak_memory_mib(rt)
-    joules, ranks = clock.energy.total(rt)
-    log.write(memory_line)
-    log.write(energy_line(joules, ranks, clock.energy.reason, clock.ms / 1000, segments[-1]["tokens"]))
-    resumed = {"total_train_time": total_ms, "resumes": len(segments) - 1} if len(segments) > 1 else {}
-    log.write(progress_line(None, N, val_loss=progress.val_loss, steps=N, tokens=tokens, train_time=clock.ms,
-                            **({k: v for k, v in resumed.items() if v is not None})))
-    samples = log_samples(t.model, args, t.schedules.windows(N), log) if args.sample_at_end > 0 and rt.is_master else []
-    if args.checkpoint_final:
-        save_finite_checkpoint(t, watch, N, segments)
-    if rt.is_master:
-        kwh = joules / 3.6e6 if joules is not None else None
-        summary = {"run_id": t.run_id, "git_commit": git_commit(), "preset": args.preset,
-                   "world_size": rt.world_size, "devices": [device_name(rt)] * rt.world_size, "steps": N,
-                   "tokens": tokens, "final_val_loss": progress.val_loss, "train_time_ms": clock.ms,
-                   "peak_memory_mib": peak_mib, "energy_j": joules, "energy_kwh": kwh,
-                   "tokens_per_kwh": segments[-1]["tokens"] / kwh if kwh else None, "val_curve": progress.val_curve,
-                   "segments": segments, "total_train_time_ms": total_ms, "resumes": len(segments) - 1,
-                   "recompiles_after_warmup": recompiles.count, "step_avg_ms": clock.ms / max(N - start_step, 1),
-                   "runtime": {**rt.resolved(), "grad_accum_steps": t.batches.stage_accum[-1],
-                               "batch_stages": [[t.batches.first_step(i), n, a] for i, (n, a) in
-                                                enumerate(zip(t.batches.stage_tokens, t.batches.stage_accum))]}, "hyperparameters": dataclasses.asdict(args),
-                   "status": "finished"}
-        if args.hellaswag_every > 0:
-            summary["hellaswag_curve"] = progress.hellaswag_curve
-        if args.sample_at_end > 0:
-            summary["samples"] = samples
-        write_summary(Path(args.log_dir) / f"{t.run_id}.json", summary, log)
-    return 0
-
-
 # gloo words a dead peer differently per operation (a reduce-scatter wait says "Application timeout
 # caused pair closure").
 COLLECTIVE_FAILURE_MARKERS = ("gloo", "NCCL", "Connection reset", "Connection closed", "Timed out", "timed out",
@@ -3945,9 +3013,12 @@ def is_collective_failure(e: Exception) -> bool:
         dist.is_initialized() and isinstance(e, RuntimeError) and any(m in str(e) for m in COLLECTIVE_FAILURE_MARKERS))
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, stop: StopSignal | None = None) -> int:
+    """The run's exit status; every way out is one line (a usage error, a failed run, a signal before training,
+    a lost peer) and ends the distributed run cleanly. stop: the stop-signal handler (a test's own, to inspect)."""
+    stop = (stop or StopSignal()).install()  # from here on a signal during start-up is one line, not a traceback
     try:
-        return train(sys.argv[1:] if argv is None else argv)
+        return train(sys.argv[1:] if argv is None else argv, stop)
     except UsageError as e:  # RunFailed too, with its own status
         print(f"error: {e}", file=sys.stderr, flush=True)
         return e.exit_status
@@ -3962,16 +3033,16 @@ def main(argv: list[str] | None = None) -> int:
               "stopped answering: see its output, then resume from the last checkpoint", file=sys.stderr, flush=True)
         return EXIT_PEER_LOST
     finally:
-        end_distributed()
+        end_distributed(stop)
 
 
-def end_distributed() -> None:
+def end_distributed(stop: StopSignal) -> None:
     """The one way a run lets go of its process group, on every way out: the pending stop-signal agreement
     waited for and dropped, objects that still hold the group (meshes, works, in reference cycles) collected,
     then the group destroyed, which joins gloo's threads. A gloo thread alive when the interpreter exits can
     take the GIL inside a C++ destructor and abort a finished rank (pytorch/pytorch#190489)."""
     with contextlib.suppress(RuntimeError, dist.DistError):  # a failed run's error was reported already
-        SIGNALS.settle()
+        stop.settle()
     if dist.is_initialized():
         failure = sys.exc_info()[1]  # an error on its way out: its traceback's frames may hold a mesh or work
         if failure is not None:

@@ -1,16 +1,20 @@
 """One command to check train_gpt.py's GPU paths on a machine with NVIDIA GPUs (no network needed).
 
-    python bench/gpu_check.py            # all checks, capped to fit 10 minutes on one H100/H200 (cold compiles)
+    python bench/gpu_check.py            # all checks, capped to fit 7 minutes on one H100/H200 (cold compiles)
+    python bench/gpu_check.py --plan     # each part, its time share and how it was sized (no GPU, no torch needed)
     python bench/gpu_check.py --quick    # skip (e), the timed speedrun-preset run
+    python bench/gpu_check.py --only=speedrun            # rerun one part (its own results file)
     python bench/gpu_check.py --recipe=v2 --skip-tests   # (e) with recipe v2 (batch stages, model techniques)
     python bench/gpu_check.py --resume-drill-on-cpu      # (d)'s command lines, run on CPU with gloo (no GPU)
 
 What it does, in order, each part in its own process with its share of the time (BUDGET_S below) as timeout:
-  (a) the GPU tests under tests/ (`pytest tests -m gpu`; pytest.ini registers the marker);
+  (a) the GPU tests under tests/ (`pytest tests -m gpu`; pytest.ini registers the marker), less the 48K-token
+      compiled step when (e) runs (it compiles and trains that model with the record's settings); without
+      pytest (requirements-extras.txt) the row says so and the other parts run;
   (b) the FP8 head (only with compute capability >= 8.9): train_gpt.fp8_matmul vs a bf16 matmul, forward
       and both gradients, as relative errors to an fp32 matmul; then the same forward + backward under
       torch.compile(fullgraph=True) with the FP8 kernels compiled as the trainer compiles them
-      (compile_fp8_kernels), as relative errors to the eager op;
+      (the op's insides compiled by inductor, fp8_kernel), as relative errors to the eager op;
   (c) compiled FlexAttention (the model's FlexAttention backend with sliding_window_block_mask) against the
       SDPA dense-mask path at T=4096, forward and input gradients;
   (d) with >= 2 GPUs: a 2-rank, 2-layer run of train_gpt.py under torchrun (NCCL) on synthetic shards that
@@ -23,7 +27,12 @@ What it does, in order, each part in its own process with its share of the time 
       CUDA kernels by time and communication vs compute time from a profiler trace of 3 steps.
 Then it prints one summary table (check | result | time | numbers; time is the part's wall time and its
 timeout, shared by the rows of one part), with every skip and its reason, and writes the table and every
-number as JSON (--out, default bench/results/gpu_check.json).
+number as JSON (--out, default bench/results/gpu_check.json; --only and --resume-drill-on-cpu runs default to
+a file of their own). A run in which nothing ran never replaces a file that holds a result: its table goes
+beside it (gpu_check.nothing_ran.json), and one line says where.
+
+It needs only the standard library and torch (numpy for the synthetic shards), so it runs under a GPU
+machine's own torch with nothing installed; pytest and nvidia-ml-py are optional.
 
 Without a CUDA GPU nothing GPU-specific can run: it says so, lists the skips and exits 0.
 Exit status: 0 when nothing failed, 1 when a check failed or errored. A part that runs out of its time is
@@ -59,23 +68,56 @@ FP8_SHAPE = (2048, 768, 8192)  # rows, model dim, vocabulary slice of the head c
 # mean-loss gradient times the fixed 2**19 scale inside float8_e5m2's range (57344), as in training
 FLEX_SHAPE = (4096, 6, 128)  # tokens, heads, head dim of the attention check (the speedrun's heads)
 
-# Each part's share of the default --budget-s (570 s: a 10-minute slot on one GPU less 30 s for this script's
-# own start-up, the table and a killed part's 10-s grace), for a cold machine (no inductor or Triton cache).
-# Estimates, not yet timed on a GPU: torch + train_gpt import in ~5-10 s per process; the 12-layer model at
-# 48K tokens compiles in 2-4 min cold in the public record logs. A part's timeout runs to the end of its share
-# counted from the start, so time an earlier part leaves unspent goes to the next one; the last part to run
-# also gets the shares of the parts that do not run (with one GPU, (d)'s goes to (e)). Below --budget-s=570
-# every share shrinks in proportion; a part whose time falls under its MIN_S is "skipped: budget".
-BUDGET_S = {
-    "tests": 170,  # collection ~15 s; the FlexAttention test ~1 min; the 48K-token compiled step 1-2 min
-    "fp8": 45,  # two small graphs through inductor (the FP8 kernels, the head + loss) and a few matmuls
-    "flex": 45,  # one FlexAttention forward + backward compile at T=4096
-    "resume": 80,  # two torchrun launches of a 2-layer uncompiled model: NCCL start-up, 3 steps, a checkpoint
-    "speedrun": 230,  # the cold compile (train and validation graphs), 3 warm-up and 18 steps, trace export
+# The default run fits one loan of a GPU machine: 7 minutes (LOAN_S) of wall time on one H100/H200 from a cold
+# start (no inductor or Triton cache), so that 15 minutes of device time hold the machine's start, this check and
+# a rerun of one part (--only). Each part's share of the default --budget-s (405 s: LOAN_S less OWN_S, this
+# script's start-up, the table and a killed part's grace) and how it was sized: PLAN, which --plan prints. Not
+# yet timed on a GPU. A part's timeout runs to the end of its share counted from the start, so time an earlier
+# part leaves unspent goes to the next one; the last part to run also gets the shares of the parts that do not
+# run (with one GPU, (d)'s goes to (e)). Below the default --budget-s every share shrinks in proportion; a part
+# whose time falls under its MIN_S is "skipped: budget".
+LOAN_S = 420
+TIMED_STEPS, WARMUP_STEPS = 12, 3  # (e)'s defaults: --steps and --warmup
+OWN_S = 15  # python start-up and torch import of this script (~4 s measured on CPU), the table, KILL_GRACE_S
+H100_BF16_FLOPS, H100_BYTES_PER_S = 790e12, 3.0e12  # dense bf16 peak and HBM bandwidth the estimates use
+PROCESS_START_S = 10  # a part's process: python + torch + train_gpt import, 3.4 s measured on 2 CPU cores
+# (torch 2.11), plus CUDA initialisation
+
+
+def speedrun_step_seconds(mfu: float = 0.4) -> float:
+    """One optimizer step of the speedrun preset (393,216 tokens) at `mfu` of the H100's bf16 peak: 6 FLOPs per
+    matmul weight per token (forward + backward; 12 layers of 7.08M plus the 50304 x 768 head) and the attention
+    scores (12 layers, 768 wide, a mean window of ~1,000 keys)."""
+    matmul_weights = 12 * 12 * 768 * 768 + 50304 * 768
+    flops_per_token = 6 * matmul_weights + 12 * 12 * 768 * 1000
+    return flops_per_token * GLOBAL_BATCH / (H100_BF16_FLOPS * mfu)
+
+
+PLAN = {  # part: (share in s, how it was sized)
+    "tests": (65, "estimated: pytest's start and collection (6.6 s measured on CPU under torch 2.11), FlexAttention "
+                  "compiled forward + backward at the test's small shape (~30 s cold Triton compile), the FP8 head "
+                  "test in eager mode (milliseconds of matmuls); the 48K-token compiled step is left to (e)"),
+    "fp8": (40, f"estimated: a process start ({PROCESS_START_S} s), a {FP8_SHAPE[0]} x {FP8_SHAPE[1]} x {FP8_SHAPE[2]} "
+                f"head ({2 * FP8_SHAPE[0] * FP8_SHAPE[1] * FP8_SHAPE[2] / H100_BF16_FLOPS * 1e3:.2f} ms of matmuls at "
+                "peak), then two small graphs through inductor with coordinate-descent tuning (~25 s cold)"),
+    "flex": (40, f"estimated: a process start ({PROCESS_START_S} s), attention at T={FLEX_SHAPE[0]} (milliseconds at "
+                 f"{H100_BYTES_PER_S / 1e12:.0f} TB/s and peak FLOP/s), one FlexAttention forward + backward Triton "
+                 "compile (~25 s cold)"),
+    "resume": (80, "measured on CPU: --resume-drill-on-cpu's two torchrun launches took 72 s on 2 shared cores "
+                   "with gloo (38 s + 34 s, mostly start-up and the 2-layer model's CPU steps, which a GPU runs in "
+                   "milliseconds); runs only with >= 2 GPUs (with one, its share goes to (e))"),
+    "speedrun": (180, f"estimated: {WARMUP_STEPS + STEPS_BEFORE_CLEAN + TIMED_STEPS} steps at "
+                      f"~{speedrun_step_seconds():.1f} s (6 FLOPs per weight per token at 40% of "
+                      f"{H100_BF16_FLOPS / 1e12:.0f} TFLOP/s on one GPU), the cold compile of the training and "
+                      "validation graphs (2-4 min in the public record logs), the trace export"),
 }
+BUDGET_S = {part: share for part, (share, _) in PLAN.items()}
 # The least time in which a part can finish at all (a process starts in ~10 s; (e) compiles for 2 min or more).
 MIN_S = {"tests": 30, "fp8": 20, "flex": 20, "resume": 30, "speedrun": 120}
 KILL_GRACE_S = 10  # SIGTERM to the part's process group, then SIGKILL after this long
+PART_LETTERS = dict(zip(["tests", "fp8", "flex", "resume", "speedrun"], "abcde"))
+LEFT_TO_SPEEDRUN = "tests/test_model.py::test_speedrun_model_compiled_step_on_cuda"  # (e) covers it, as trained
+NOT_RUN = ("skipped", "not checked")  # a row's result when its check did not run at all
 
 TESTS_ROW = "pytest (GPU tests)"
 FP8_ROW = "fp8_matmul vs bf16"
@@ -135,9 +177,15 @@ def pytest_counts(output: str) -> str:
     return lines[-1] if lines else "no summary line"
 
 
-def check_tests(timeout: float, tmp: Path) -> list[Row]:
-    """The tests marked `gpu` (pytest.ini registers the marker); they skip themselves without CUDA."""
-    cmd = [sys.executable, "-m", "pytest", "tests", "-m", "gpu", "-q", "-rA", "-p", "no:cacheprovider"]
+def check_tests(timeout: float, tmp: Path, deselect: tuple[str, ...] = ()) -> list[Row]:
+    """The tests marked `gpu` (pytest.ini registers the marker), less those deselected; they skip themselves without
+    CUDA. pytest is an extra (requirements-extras.txt), which a GPU machine's image may not have."""
+    import importlib.util
+    if importlib.util.find_spec("pytest") is None:
+        return [(TESTS_ROW, "skipped: no pytest", f"pytest is not installed for {sys.executable} "
+                 "(requirements-extras.txt); the other parts check the same kernels")]
+    cmd = [sys.executable, "-m", "pytest", "tests", "-m", "gpu", "-q", "-rA", "-p", "no:cacheprovider"] + [
+        f"--deselect={test}" for test in deselect]
     rc, out = run_child(cmd, timeout, tmp / "pytest.txt")
     for line in out.splitlines():
         if line.startswith(("PASSED", "FAILED", "SKIPPED", "ERROR", "XFAIL", "XPASS")):
@@ -170,14 +218,14 @@ def fp8_case(torch, device, shape=FP8_SHAPE):
     return x0, w0, targets
 
 
-def head_loss(T, kind: str):
-    """out and a mean cross-entropy of x @ w.T, as fp8_matmul, a bf16 or an fp32 matmul computes it, so
-    that the gradients have the magnitude the fixed FP8 scales were chosen for."""
+def head_loss(T, kind: str, fp8_kernels: str = "eager"):
+    """out and a mean cross-entropy of x @ w.T, as fp8_matmul (its insides run by fp8_kernels), a bf16 or an
+    fp32 matmul computes it, so that the gradients have the magnitude the fixed FP8 scales were chosen for."""
     import torch.nn.functional as F
 
     def loss(x, w, targets):
         if kind == "fp8":
-            out = T.fp8_matmul(x, w, T.FP8_SCALES["x_scale"], T.FP8_SCALES["w_scale"])[0]
+            out = T.fp8_matmul(x, w, T.FP8_SCALES["x_scale"], T.FP8_SCALES["w_scale"], fp8_kernels)[0]
         else:
             out = F.linear(x, w.type_as(x))
         return out, F.cross_entropy(out.float() * 8, targets)  # * 8: logits of a trained head's size
@@ -221,15 +269,14 @@ FP8_COMPILED_TOLERANCE = 1e-2
 
 
 def check_fp8_compiled(T, torch, device, shape=FP8_SHAPE) -> Row:
-    """The head's forward + backward through fp8_matmul, eager, then under torch.compile(fullgraph=True) after
-    compile_fp8_kernels() with the trainer's inductor settings (as build_model does with --compile=model:
+    """The head's forward + backward through fp8_matmul, eager, then under torch.compile(fullgraph=True) with the
+    op's insides compiled by inductor with the trainer's settings (as build_model does with --compile=model:
     the model's graph calls the opaque op, whose insides are compiled on their own)."""
     case = fp8_case(torch, device, shape)
-    eager = head_run(torch, case, head_loss(T, "fp8"), torch.bfloat16)  # before FP8_KERNELS are swapped
+    eager = head_run(torch, case, head_loss(T, "fp8"), torch.bfloat16)
     started = time.time()
     T.configure_inductor(T.Hyperparameters())  # the speedrun preset's coordinate-descent tuning
-    T.compile_fp8_kernels()
-    compiled = head_run(torch, case, torch.compile(head_loss(T, "fp8"), fullgraph=True, dynamic=False),
+    compiled = head_run(torch, case, torch.compile(head_loss(T, "fp8", "inductor"), fullgraph=True, dynamic=False),
                         torch.bfloat16)
     compile_s = time.time() - started
     names = ("out", "grad_x", "grad_w")
@@ -267,7 +314,7 @@ def check_flex(T, torch) -> Row:
     ref = run(T.BandedAttention.attend, banded, torch.float32)
     sdpa = run(T.BandedAttention.attend, banded, torch.bfloat16)
     started = time.time()
-    flex_attend = torch.compile(T.FlexAttention.attend, dynamic=False)
+    flex_attend = torch.compile(T.FlexAttention().attend, dynamic=False)
     flex = run(flex_attend, T.sliding_window_block_mask(tokens, window), torch.bfloat16)
     compile_s = time.time() - started
     names = ("out", "dq", "dk", "dv")
@@ -515,11 +562,37 @@ def check_speedrun(n_gpus: int, steps: int, warmup: int, timeout: float, tmp: Pa
 
 # -----------------------------------------------------------------------------
 
-def write_json(path: Path, rows: list, details: dict) -> None:
+def ran(result: str) -> bool:
+    """Whether a row's check ran (passed, failed, errored or timed out), as opposed to skipped."""
+    return not result.startswith(NOT_RUN)
+
+
+def holds_a_result(path: Path) -> bool:
+    """Whether path is a file this script must not replace with a run in which nothing ran: a table with a check
+    that ran, or anything it cannot read as a table (kept: it is not this script's to discard)."""
+    try:
+        table = json.loads(path.read_text())["table"]
+        return any(ran(str(row["result"])) for row in table)
+    except FileNotFoundError:
+        return False
+    except (OSError, ValueError, KeyError, TypeError):
+        return True
+
+
+def results_path(out: Path, rows: list) -> Path:
+    """Where this run's JSON goes: out, unless nothing ran and out holds a result; then beside it."""
+    if any(ran(r[1]) for r in rows) or not holds_a_result(out):
+        return out
+    return out.with_name(out.stem + ".nothing_ran" + out.suffix)
+
+
+def write_json(out: Path, rows: list, details: dict) -> None:
+    path = results_path(out, rows)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"table": [dict(check=c, result=r, time=t, numbers=n) for c, r, t, n in rows],
                                 **details}, indent=1))
-    say(f"wrote {path}")
+    say(f"wrote {path}" if path == out else f"nothing ran: kept {out} (an earlier run's result); wrote this run's "
+        f"table to {path}")
 
 
 def print_table(rows: list) -> None:
@@ -548,22 +621,68 @@ def shares_line(shares: dict, budget: float) -> str:
             f" = {sum(shares.values()):.0f} of --budget-s {budget:.0f}")
 
 
+def print_plan() -> int:
+    """--plan: every part of the default run, its share and how the share was sized; no GPU or torch needed.
+    Exit 0 when the whole run fits LOAN_S."""
+    say("gpu_check.py's default run on one H100/H200 from a cold start, in order (each part's share is its timeout; "
+        "time a part leaves unspent goes to the next):")
+    for part, (share, how) in PLAN.items():
+        say(f"  ({PART_LETTERS[part]}) {part:<8} {share:>4} s  {how}")
+    say(f"      this script {OWN_S:>3} s  estimated: its start-up and torch import (~4 s measured on CPU), the table, "
+        f"a killed part's {KILL_GRACE_S} s grace")
+    total = sum(BUDGET_S.values()) + OWN_S
+    say(f"total {total} s of {LOAN_S} s; with one GPU (d) does not run and (e) gets "
+        f"{BUDGET_S['speedrun'] + BUDGET_S['resume']} s; rerun one part with --only=PART (its share, its own file)")
+    return 0 if total <= LOAN_S else 1
+
+
+def only_parts(text: str) -> tuple[str, ...]:
+    """--only's comma-separated parts, by name (tests, fp8, flex, resume, speedrun)."""
+    parts = tuple(part.strip() for part in text.split(",") if part.strip())
+    unknown = [part for part in parts if part not in BUDGET_S]
+    if unknown or not parts:
+        raise argparse.ArgumentTypeError(f"unknown part(s) {', '.join(unknown) or '(none)'}; the parts are "
+                                         f"{', '.join(BUDGET_S)}")
+    return parts
+
+
+def default_budget(only: tuple[str, ...]) -> float:
+    """The whole run's shares; a rerun of some parts gets their shares, (e) with (d)'s as on one GPU."""
+    if not only:
+        return sum(BUDGET_S.values())
+    return sum(BUDGET_S[p] for p in only) + (BUDGET_S["resume"] if "speedrun" in only and "resume" not in only else 0)
+
+
+def default_out(only: tuple[str, ...], drill: bool) -> Path:
+    """bench/results/gpu_check.json for the whole check; a rerun of some parts and the CPU drill have files of
+    their own, so that neither replaces the whole check's result."""
+    name = "gpu_check_resume_drill_cpu" if drill else "gpu_check_only_" + "_".join(only) if only else "gpu_check"
+    return REPO / "bench" / "results" / f"{name}.json"
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="skip (e), the timed speedrun-preset run")
     p.add_argument("--skip-tests", action="store_true", help="skip (a), the GPU pytest tests")
-    p.add_argument("--steps", type=int, default=12,
-                   help=f"timed steps of (e), after its first {STEPS_BEFORE_CLEAN} (profiler, trace export) (default 12)")
+    p.add_argument("--plan", action="store_true",
+                   help="print each part of the default run, its time share and how it was sized, and exit")
+    p.add_argument("--only", type=only_parts, default=(),
+                   help="run only these parts (comma-separated: tests, fp8, flex, resume, speedrun), e.g. to rerun "
+                        "one; the results go to a file of their own")
+    p.add_argument("--steps", type=int, default=TIMED_STEPS,
+                   help=f"timed steps of (e), after its first {STEPS_BEFORE_CLEAN} (profiler, trace export) "
+                        f"(default {TIMED_STEPS})")
     p.add_argument("--recipe", default="reference", choices=["reference", "v2"], help="recipe of (e) (reference)")
-    p.add_argument("--warmup", type=int, default=3,
+    p.add_argument("--warmup", type=int, default=WARMUP_STEPS,
                    help="untimed compile/warm-up steps of (e) (default 3: the first compiles, the next two catch "
                         "a recompilation that optimizer state or a changed value causes, so the timed steps run "
                         "compiled kernels only; a later one is counted in recompiles_after_warmup)")
-    p.add_argument("--budget-s", type=float, default=sum(BUDGET_S.values()),
+    p.add_argument("--budget-s", type=float, default=None,
                    help=f"overall time budget in seconds (default {sum(BUDGET_S.values())}: the sum of the shares "
-                        "at the top of this file; less shrinks every share in proportion)")
-    p.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "gpu_check.json",
-                   help="JSON file for the table and every number (default bench/results/gpu_check.json)")
+                        "at the top of this file, or of the --only parts'; less shrinks every share in proportion)")
+    p.add_argument("--out", type=Path, default=None,
+                   help="JSON file for the table and every number (default bench/results/gpu_check.json; "
+                        "gpu_check_only_<parts>.json with --only, gpu_check_resume_drill_cpu.json for the drill)")
     p.add_argument("--resume-drill-on-cpu", action="store_true",
                    help="run only (d) on CPU (gloo, same flags) to check its command lines without a GPU "
                         "(about a minute on 2 cores); not a GPU check")
@@ -571,8 +690,12 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(sys.argv[1:] if argv is None else argv)
     if a.part:
         return part_main(a.part)
+    if a.plan:
+        return print_plan()
     started = time.time()
-    scale = min(1.0, a.budget_s / sum(BUDGET_S.values()))
+    a.budget_s = default_budget(a.only) if a.budget_s is None else a.budget_s
+    a.out = default_out(a.only, a.resume_drill_on_cpu) if a.out is None else a.out
+    scale = min(1.0, a.budget_s / sum(BUDGET_S[p] for p in a.only or BUDGET_S))
     shares = {part: s * scale for part, s in BUDGET_S.items()}
 
     import torch
@@ -604,6 +727,7 @@ def main(argv: list[str] | None = None) -> int:
     skips = {"tests": "skipped: --skip-tests" if a.skip_tests else None,
              "resume": f"not checked: {RESUME_NEEDS}" if n_gpus < 2 else None,
              "speedrun": "skipped: --quick" if a.quick else None}
+    skips.update({part: "skipped: --only" for part in BUDGET_S if a.only and part not in a.only})
     running = [part for part in BUDGET_S if not skips.get(part)]
     rows: list = []
     with tempfile.TemporaryDirectory(prefix="gpu_check_") as tmp:
@@ -624,7 +748,7 @@ def main(argv: list[str] | None = None) -> int:
             say(f"-- {part}: up to {timeout:.0f}s")
             part_started = time.time()
             if part == "tests":
-                got = check_tests(timeout, tmp)
+                got = check_tests(timeout, tmp, deselect=(LEFT_TO_SPEEDRUN,) if "speedrun" in running else ())
             elif part in ("fp8", "flex"):
                 got = check_part(part, timeout, tmp)
             elif part == "resume":

@@ -28,7 +28,7 @@ backward). The graphs are then executed node by node on fake tensors, in two way
   when more than 4 ops read it; otherwise it is computed inside its consumers' kernels (reductions always
   get one; they are small). The FP8 head's
   custom ops are expanded into their math (train_gpt.fp8_forward_math / fp8_backward_math, which
-  compile_fp8_kernels compiles) so that their transposed FP8 copies count. FlexAttention runs as the
+  the ops compile inside) so that their transposed FP8 copies count. FlexAttention runs as the
   compiled kernel would: outputs and logsumexp, no score matrix.
 
 What it cannot see: the CUDA context and cuBLAS/cuDNN handles (~0.5-1 GiB per process, outside
@@ -63,6 +63,7 @@ from torch.utils import _pytree as pytree  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 import train_gpt as T  # noqa: E402
+from tools.cli import OneLineArgumentParser, number, run_cli  # noqa: E402
 
 GIB = 2 ** 30
 H100_GIB = 81559 / 1024  # nvidia-smi's total for an H100 80GB (SXM): 81,559 MiB
@@ -203,7 +204,8 @@ def buffers_inductor_would_make(gm: torch.fx.GraphModule) -> set[torch.fx.Node]:
 
 
 def expansions() -> dict:
-    """Custom ops run as their math (what compile_fp8_kernels compiles), so that their buffers count."""
+    """Custom ops run as their math (what the ops compile inside, train_gpt.fp8_kernel), so that their buffers
+    count."""
     return {torch.ops.speedrun.fp8_matmul.default: T.fp8_forward_math,
             torch.ops.speedrun.fp8_matmul_backward.default: T.fp8_backward_math}
 
@@ -236,8 +238,8 @@ def run_graph(gm: torch.fx.GraphModule, args: list, meter: LiveMemory, label: st
             return map_arg(n.args[0], lambda x: env[x])
         else:
             fn_args, fn_kwargs = map_arg((n.args, n.kwargs), lambda x: env[x])
-            if n.target in expansions():
-                out = run_expanded(n.target, fn_args, fn_kwargs, meter, label, f"{where} >", cache)
+            if n.target in expansions():  # the op's last argument names its kernels' backend: the math is the same
+                out = run_expanded(n.target, fn_args[:-1], fn_kwargs, meter, label, f"{where} >", cache)
             else:
                 out = n.target(*fn_args, **fn_kwargs)
             meter.unfused.add(out, label, where)
@@ -297,12 +299,8 @@ def fake_model(args: T.Hyperparameters, rt: T.Runtime) -> T.GPT:
     """build_model on the meta device (no memory, no init), then every parameter and buffer as an empty fake
     tensor of its shape and dtype (the ambient FakeTensorMode makes them)."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily
-    saved = dict(T.FP8_KERNELS)
-    try:
-        with unset_fake_temporarily(), torch.device("meta"):
-            model = T.build_model(args, dataclasses.replace(rt, device=torch.device("meta")))
-    finally:
-        T.FP8_KERNELS.update(saved)  # build_model compiles them; the custom ops' fake kernels run here
+    with unset_fake_temporarily(), torch.device("meta"):
+        model = T.build_model(args, dataclasses.replace(rt, device=torch.device("meta")))
     for module in model.modules():
         for name, p in list(module._parameters.items()):
             if p is not None:
@@ -356,7 +354,8 @@ class Scenario:
                 for t in [*model.parameters(), *model.buffers()]:
                     fused.add(t, meter.label, "model"), unfused.add(t, meter.label, "model")
             with meter.phase("optimizer state"):
-                opt = T.build_optimizers(model, args, rank=0, world_size=world_size, compiled=True)
+                opt = T.build_optimizers(model, args, rank=0, world_size=world_size, grad_sync_from_hooks=False,
+                                         compile_newton_schulz=True)
                 if opt.muon is not None:  # build_optimizers compiles it; the same math, run here as is
                     opt.muon.orthogonalize = T.polar_express if args.polar_express else T.newton_schulz
                 state = T.training_state(model, opt, types.SimpleNamespace(state=dict), 0)  # AdamW's state made
@@ -453,16 +452,16 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     extra = argv[argv.index("--") + 1:] if "--" in argv else []
     own = argv[:argv.index("--")] if "--" in argv else argv
-    p = argparse.ArgumentParser(usage="%(prog)s [options] [-- train_gpt.py flags]",
-                                description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 2)[2],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = OneLineArgumentParser(prog="memory_estimate.py", usage="%(prog)s [options] [-- train_gpt.py flags]",
+                              description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 2)[2],
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--recipes", default="reference,v2", help="comma-separated train_gpt.py recipes (reference,v2)")
     p.add_argument("--gpus", default="1,8", help="comma-separated world sizes; the peak of rank 0 is reported "
                    "(rank 0 owns the most Muon matrices)")
     p.add_argument("--phases", default="train,warm-up,validation",
                    help="train (train_step at the largest stage), warm-up (warm_up's steps and validation, with "
                    "its copy of the training state), validation (evaluate on one sequence)")
-    p.add_argument("--device_gib", type=float, default=H100_GIB,
+    p.add_argument("--device_gib", type=number(0, lo_open=True), default=H100_GIB,
                    help=f"device memory the headroom is taken from (default {H100_GIB:.1f} GiB: an H100 80GB)")
     p.add_argument("--breakdown", action="store_true", help="also print what is alive at each peak, by kind, "
                    "and the largest storages")
@@ -530,4 +529,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_cli(main, usage_errors=(T.UsageError,)))

@@ -25,17 +25,24 @@ and the p-value of a one-sided one-sample t-test whose alternative is
 A group meets the record rule when p < --alpha.
 
 Options:
-    --target LOSS     loss the mean must be below (default 3.28)
-    --alpha P         significance level (default 0.01)
+    --target LOSS     loss the mean must be below (default 3.28; finite and > 0)
+    --alpha P         significance level (default 0.01; between 0 and 1, both excluded)
     --group-by KEY    'folder' (parent folder of each log), a run field
                       ('preset', 'world_size', 'devices') or any hyperparameter
                       name; each group gets its own statistics and plot lines
-    --plot DIR        write val_loss_vs_step.png and val_loss_vs_time.png
+    --plot DIR        write val_loss_vs_step.png and val_loss_vs_time.png into DIR
+                      (made if missing); a file of those names there is replaced
+                      only if this program wrote it (its PNG "Software" text says
+                      so), anything else is refused and left as is
     --json            print machine-readable JSON instead of the table
 
 Files that cannot be used (truncated, crashed, unfinished, unknown format,
-unreadable JSON) are reported on stderr as ``skipped <path>: <reason>`` and
-left out. The exit status is 2 (a usage error) only when no run at all could be read.
+unreadable JSON, or a number out of its range: a missing or non-finite loss,
+a negative step count or time, true or text where a number belongs) are
+reported on stderr as ``skipped <path>: <reason>`` and left out; the verdict
+stands on the rest. Every format is held to the same rules (check_run). The
+exit status is 2 (a usage error, one ``error:`` line) for a bad option or
+--plot folder, or when no run at all could be read.
 
 scipy (p-values) and matplotlib (plots) are optional extras:
     pip install -r requirements-extras.txt
@@ -60,7 +67,8 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root
-from tools.cli import UsageError, run_cli  # noqa: E402  (no torch: this reader runs on any laptop)
+# no torch: this reader runs on any laptop
+from tools.cli import OneLineArgumentParser, UsageError, number, one_line, run_cli  # noqa: E402
 
 # The run log's progress lines, as train_gpt.py's progress_line() writes them: the one reader (bench/ and the
 # tests use it too). The units are those of the trainer's PROGRESS_FIELDS (tests/test_records.py holds the two
@@ -105,8 +113,8 @@ def parse_progress_line(line: str) -> ProgressLine | None:
 
 INSTALL_HINT = "pip install -r requirements-extras.txt"
 
-SOURCE_BEGIN = "==== train_gpt.py ===="
-SOURCE_END = "==== end of train_gpt.py ===="
+SOURCE_BEGIN = "==== train_gpt.py ===="  # the first line of a project log: the trainer's own source follows
+SOURCE_BLOCK_RE = re.compile(r"^==== (\S+\.py) ====$")  # each embedded source: this line, its text, the end line
 
 HPARAM_RE = re.compile(r"^\s+([A-Za-z_][A-Za-z0-9_.]*)\s*=\s*(.*?)\s*$")
 # A GPU row of the nvidia-smi table: "|   0  NVIDIA H100 80GB HBM3   On  |   00000000:19:00.0 Off |"
@@ -119,7 +127,8 @@ PEAK_RE = re.compile(r"^peak memory allocated:\s*([0-9.]+)\s*MiB")
 
 @dataclass
 class Run:
-    """One training run, merged from whatever files describe it."""
+    """One training run, merged from whatever files describe it. A reader fills in the numbers as its file holds
+    them; check_run then holds each to its range (RUN_NUMBERS) before the run is used."""
 
     name: str
     paths: list[str]
@@ -217,18 +226,40 @@ def _not_finished_reason(lines: list[str], text: str, last, what: str) -> str:
     return f"unfinished run, {what} ({where})"
 
 
+def log_sources(text: str) -> tuple[dict[str, str], list[str]]:
+    """The sources a project log embeds (train_gpt.py and the sibling modules it imported, by file name, each
+    between '==== NAME ====' and '==== end of NAME ====') and the log's other lines, in order. A launch that a
+    resume appended embeds them again; the first copy of each name is kept."""
+    sources: dict[str, str] = {}
+    rest: list[str] = []
+    lines = text.splitlines()
+    i = 0
+    while i < len(lines):
+        m = SOURCE_BLOCK_RE.match(lines[i])
+        if not m:
+            rest.append(lines[i])
+            i += 1
+            continue
+        end = f"==== end of {m.group(1)} ===="
+        try:
+            j = lines.index(end, i + 1)
+        except ValueError:
+            raise UsageError(f"truncated log: the {m.group(1)} source block is never closed") from None
+        sources.setdefault(m.group(1), "\n".join(lines[i + 1:j]))  # the writer's own newline ends the text
+        i = j + 1
+    return sources, rest
+
+
+def log_body(text: str) -> list[str]:
+    """A project log's lines without its embedded sources."""
+    return log_sources(text)[1]
+
+
 def parse_project_txt(path: Path, text: str) -> Run:
     """Parse a human log written by this project's train_gpt.py."""
-    lines = text.splitlines()
-    try:
-        begin = lines.index(SOURCE_BEGIN)
-    except ValueError:
-        raise UsageError("unknown format: no train_gpt.py source block") from None
-    try:
-        end = lines.index(SOURCE_END, begin + 1)
-    except ValueError:
-        raise UsageError("truncated log: the train_gpt.py source block is never closed") from None
-    body = lines[end + 1:]
+    if SOURCE_BEGIN not in text.splitlines():
+        raise UsageError("unknown format: no train_gpt.py source block")
+    body = log_body(text)
 
     hyper: dict[str, Any] = {}
     env: dict[str, str] = {}
@@ -262,17 +293,17 @@ def parse_project_txt(path: Path, text: str) -> Run:
         folder=_display_dir(path),
         fmt="project",
         final_val_loss=final["val_loss"],
-        steps=int(final["steps"]) if "steps" in final else (last[1] if last else None),
-        tokens=int(final["tokens"]) if "tokens" in final else None,
+        steps=final.get("steps", last[1] if last else None),
+        tokens=final.get("tokens"),
         train_time_ms=final.get("train_time"),
         total_train_time_ms=final.get("total_train_time"),
-        resumes=int(final.get("resumes", 0)),
+        resumes=final.get("resumes", 0),
         hyperparameters=hyper,
         val_curve=curve,
         preset=hyper.get("preset"),
     )
     if run.train_time_ms is None and curve:
-        run.train_time_ms = curve[-1][2]
+        run.train_time_ms = None if math.isnan(curve[-1][2]) else curve[-1][2]
     if "world_size" in env:
         try:
             run.world_size = int(env["world_size"])
@@ -343,15 +374,6 @@ def parse_txt(path: Path) -> Run:
     return parse_public_txt(path, text)
 
 
-def _opt_num(data: dict, key: str, kind=float):
-    value = data.get(key)
-    if value is None or isinstance(value, bool):
-        return None
-    if not isinstance(value, (int, float)):
-        raise UsageError(f"unknown format: JSON field {key!r} is not a number")
-    return kind(value)
-
-
 def parse_json(path: Path) -> Run:
     """Parse a logs/<run_id>.json summary written by train_gpt.py."""
     try:
@@ -365,9 +387,6 @@ def parse_json(path: Path) -> Run:
     status = data.get("status")
     if status != "finished":
         raise UsageError(f"unfinished run: JSON status is {status!r}, not 'finished'")
-    loss = _opt_num(data, "final_val_loss")
-    if loss is None:
-        loss = math.nan
     curve = []
     raw_curve = data.get("val_curve") or []
     if not isinstance(raw_curve, list):
@@ -375,28 +394,18 @@ def parse_json(path: Path) -> Run:
     for point in raw_curve:
         if not isinstance(point, (list, tuple)) or len(point) < 2:
             raise UsageError("unknown format: JSON val_curve entries must be [step, val_loss, train_time_ms]")
-        s, v = point[0], point[1]
-        t = point[2] if len(point) > 2 else None
-        curve.append((int(s), math.nan if v is None else float(v), math.nan if t is None else float(t)))
+        curve.append((point[0], point[1], point[2] if len(point) > 2 else None))
     devices = data.get("devices") or []
     hyper = data.get("hyperparameters") or {}
+    # The numbers as the file holds them (null: not recorded, for all but the loss); check_run judges them.
+    numbers = {name: data[name] for name in RUN_NUMBERS if data.get(name) is not None}
     return Run(
         name=str(data.get("run_id") or path.stem),
         paths=[str(path)],
         folder=_display_dir(path),
         fmt="project",
-        final_val_loss=loss,
-        steps=_opt_num(data, "steps", int),
-        tokens=_opt_num(data, "tokens", int),
-        train_time_ms=_opt_num(data, "train_time_ms"),
-        total_train_time_ms=_opt_num(data, "total_train_time_ms"),
-        resumes=_opt_num(data, "resumes", int) or 0,
-        world_size=_opt_num(data, "world_size", int),
+        **{"final_val_loss": None, **numbers},
         devices=[str(d) for d in devices] if isinstance(devices, list) else [str(devices)],
-        peak_memory_mib=_opt_num(data, "peak_memory_mib"),
-        energy_j=_opt_num(data, "energy_j"),
-        energy_kwh=_opt_num(data, "energy_kwh"),
-        tokens_per_kwh=_opt_num(data, "tokens_per_kwh"),
         preset=None if data.get("preset") is None else str(data["preset"]),
         git_commit=data.get("git_commit"),
         hyperparameters=hyper if isinstance(hyper, dict) else {},
@@ -419,6 +428,59 @@ def merge(from_json: Run, from_txt: Run) -> Run:
     if not run.hyperparameters:
         run.hyperparameters = from_txt.hyperparameters
     return run
+
+
+@dataclass(frozen=True)
+class Range:
+    """What one number of a run may be, as a skip reason states it."""
+    whole: bool  # a count: an integer (the .txt logs write every number as a float; 20.0 is 20)
+    lo: float
+
+    def describe(self) -> str:
+        return f"{'an integer' if self.whole else 'a finite number'} >= {self.lo:g}"
+
+
+COUNT = Range(whole=True, lo=0)
+AMOUNT = Range(whole=False, lo=0)  # a loss, a time, memory, energy: finite and never negative
+# Every number a reader fills into a Run, and what it may be. None means "not recorded", except for the loss:
+# a finished run without one is no run.
+RUN_NUMBERS = {"final_val_loss": AMOUNT, "steps": COUNT, "tokens": COUNT, "train_time_ms": AMOUNT,
+               "total_train_time_ms": AMOUNT, "resumes": COUNT, "world_size": Range(whole=True, lo=1),
+               "peak_memory_mib": AMOUNT, "energy_j": AMOUNT, "energy_kwh": AMOUNT, "tokens_per_kwh": AMOUNT}
+
+
+def check_run(run: Run) -> Run:
+    """The one validation of what every reader read (JSON summaries, this project's and the public .txt logs):
+    each number of RUN_NUMBERS and of the validation curve is of its type and range, counts become ints. A bad
+    value is a UsageError naming it, so its file is skipped with that reason and the verdict stands on the rest."""
+    for name, rule in RUN_NUMBERS.items():
+        value = getattr(run, name)
+        if value is not None or name == "final_val_loss":
+            setattr(run, name, valid_number(name, value, rule))
+    run.val_curve = [checked_point(point) for point in run.val_curve]
+    return run
+
+
+def checked_point(point: tuple) -> tuple[int, float, float]:
+    """One point of the validation curve: its step, its loss and its time (NaN where the log has none)."""
+    step, loss, time_ms = point
+    step = valid_number("a val_curve step", step, COUNT)
+    loss = valid_number(f"val_loss at step {step}", loss, AMOUNT)
+    if time_ms is None or (isinstance(time_ms, float) and math.isnan(time_ms)):
+        return step, loss, math.nan
+    return step, loss, valid_number(f"train_time at step {step}", time_ms, AMOUNT)
+
+
+def valid_number(name: str, value: object, rule: Range) -> int | float:
+    """value as rule's type, or a UsageError: no bool passes as a number, no NaN or inf, no negative count."""
+    try:
+        number = float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else math.nan
+    except OverflowError:  # an integer beyond any float
+        number = math.inf
+    if not (math.isfinite(number) and number >= rule.lo and (number.is_integer() or not rule.whole)):
+        shown = one_line(json.dumps(value, default=repr), 40)  # as a JSON file writes it: null, true, NaN, "abc"
+        raise UsageError(f"bad value {shown} for {name}; valid: {rule.describe()}")
+    return int(value) if rule.whole else number
 
 
 def find_files(paths: list[str], skipped: list[tuple[str, str]]) -> list[Path]:
@@ -467,7 +529,7 @@ def read_runs(paths: list[str]) -> tuple[list[Run], list[tuple[str, str]]]:
             if kind not in pair:
                 continue
             try:
-                parsed[kind] = parser(pair[kind])
+                parsed[kind] = check_run(parser(pair[kind]))
             except UsageError as exc:
                 skipped.append((str(pair[kind]), str(exc)))
             except Exception as exc:  # one odd file must never stop the rest
@@ -619,6 +681,12 @@ def render_stats(stats: list[dict]) -> str:
     return "\n".join(lines)
 
 
+PLOT_NAMES = ("val_loss_vs_step.png", "val_loss_vs_time.png")
+# Written into each plot's PNG "Software" text: how --plot knows a file of these names is its own to replace.
+PLOT_SOFTWARE = "records/read_records.py"
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
 def write_plots(runs: list[Run], outdir: str, grouped: bool, target: float) -> list[str]:
     """Write val loss vs step and vs training time; return the PNG paths."""
     try:
@@ -629,14 +697,14 @@ def write_plots(runs: list[Run], outdir: str, grouped: bool, target: float) -> l
         raise MissingExtra(
             f"matplotlib is not installed, so no plots are written; install it with: {INSTALL_HINT}"
         ) from None
-    os.makedirs(outdir, exist_ok=True)
+    prepare_plot_folder(outdir)
     with_curve = [r for r in runs if r.val_curve]
     groups = list(dict.fromkeys(r.group for r in with_curve))
     colors = plt.rcParams["axes.prop_cycle"].by_key().get("color", ["C0"])
     written = []
     for name, xlabel, xpick in (
-        ("val_loss_vs_step.png", "step", lambda c: c[0]),
-        ("val_loss_vs_time.png", "training time (s)", lambda c: c[2] / 1000.0),
+        (PLOT_NAMES[0], "step", lambda c: c[0]),
+        (PLOT_NAMES[1], "training time (s)", lambda c: c[2] / 1000.0),
     ):
         fig, ax = plt.subplots(figsize=(8, 5), dpi=100)
         labelled: set[str] = set()
@@ -665,23 +733,73 @@ def write_plots(runs: list[Run], outdir: str, grouped: bool, target: float) -> l
         ax.legend(fontsize="small")
         fig.tight_layout()
         path = os.path.join(outdir, name)
-        fig.savefig(path)
+        save_png(fig, path)
         plt.close(fig)
         written.append(path)
     return written
 
 
+def prepare_plot_folder(outdir: str) -> None:
+    """Makes the --plot folder if missing; refuses one that holds a file of the plots' names this program did not
+    write (a user's file is never replaced)."""
+    folder = Path(outdir)
+    if folder.exists() and not folder.is_dir():
+        raise UsageError(f"--plot {outdir} is a file, not a folder; pass a folder (it is made if missing)")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UsageError(f"cannot make the --plot folder {outdir} ({exc.strerror}); pass a folder you can write") \
+            from None
+    for name in PLOT_NAMES:
+        path = folder / name
+        if (path.exists() or path.is_symlink()) and png_software(path) != PLOT_SOFTWARE:
+            raise UsageError(f"{path} is not a plot read_records.py wrote, so it is left as is; move it or pass "
+                             "another --plot folder")
+
+
+def png_software(path: Path) -> str | None:
+    """The "Software" text chunk of a PNG (matplotlib writes it before the image data), or None."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(1 << 16)
+    except OSError:
+        return None
+    if not head.startswith(PNG_SIGNATURE):
+        return None
+    at = len(PNG_SIGNATURE)
+    while at + 8 <= len(head):
+        length, kind = int.from_bytes(head[at:at + 4], "big"), head[at + 4:at + 8]
+        key, _, text = head[at + 8:at + 8 + length].partition(b"\0")
+        if kind == b"tEXt" and key == b"Software":
+            return text.decode("latin-1")
+        at += 12 + length  # length, type, data, CRC
+    return None
+
+
+def save_png(fig, path: str) -> None:
+    """One plot, marked as this program's (PLOT_SOFTWARE) so that a later --plot may replace it."""
+    try:
+        fig.savefig(path, metadata={"Software": PLOT_SOFTWARE})
+    except OSError as exc:
+        raise UsageError(f"cannot write {path} ({exc.strerror}); pass a --plot folder you can write") from None
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineArgumentParser(
+        prog="read_records.py",
         description="Tabulate speedrun training logs and test mean final val loss < target.",
         epilog=f"p-values need scipy and plots need matplotlib: {INSTALL_HINT}",
     )
     parser.add_argument("paths", nargs="+", metavar="PATH", help="log file or folder (searched recursively)")
-    parser.add_argument("--target", type=float, default=3.28, help="val loss the mean must be below (default 3.28)")
-    parser.add_argument("--alpha", type=float, default=0.01, help="significance level (default 0.01)")
+    parser.add_argument("--target", type=number(0, lo_open=True), default=3.28,
+                        help="val loss the mean must be below (default 3.28)")
+    parser.add_argument("--alpha", type=number(0, 1, lo_open=True, hi_open=True), default=0.01,
+                        help="significance level, in (0, 1) (default 0.01)")
     parser.add_argument("--group-by", metavar="KEY", default=None,
                         help="'folder', 'preset', 'world_size', 'devices' or a hyperparameter name")
-    parser.add_argument("--plot", metavar="DIR", default=None, help="write PNG plots into DIR")
+    parser.add_argument("--plot", metavar="DIR", default=None,
+                        help="write PNG plots into DIR; a file of theirs there is replaced only if this program "
+                        "wrote it, anything else is refused")
     parser.add_argument("--json", action="store_true", help="print JSON instead of the table")
     return parser
 

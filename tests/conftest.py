@@ -58,7 +58,7 @@ def run_trainer(args, log_dir, nproc=None, driver=None, timeout=300, env=None):
 def run_main(args, log_dir):
     """train_gpt.main(args) in this process, for runs refused or ended before training: no interpreter and
     torch import to pay for. Returns what run_trainer returns (exit status, stdout, stderr); restores the
-    signal handlers and the stop-signal state that main() installs."""
+    signal handlers that main() installs."""
     import train_gpt as T
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
     out, err = io.StringIO(), io.StringIO()
@@ -72,7 +72,6 @@ def run_main(args, log_dir):
         torch.set_num_threads(threads)
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
-        T.SIGNALS = T.StopSignal()
     return subprocess.CompletedProcess(argv, status, out.getvalue(), err.getvalue())
 
 

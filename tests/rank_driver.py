@@ -18,14 +18,15 @@ def gloo_threads() -> list[str]:
     return sorted(name for name in names if "gloo" in name)
 
 
-def exit_checked(status: int) -> None:
+def exit_checked(status: int, stop: T.StopSignal) -> None:
     """Exits LEFT_BEHIND if anything that can take the GIL at exit is left: a gloo worker thread (it releases
     finished works' tensors) or a pending agreement. gloo's socket loop (gloo_tcp_loop) touches no Python object;
     it is reported, and a run with a lost peer can leave it (its connections are torn down by the exit)."""
-    left = gloo_threads() + (["a pending stop-signal agreement"] if T.SIGNALS._pending is not None else [])
+    left = gloo_threads() + (["a pending stop-signal agreement"] if stop._pending is not None else [])
     print(f"{REPORT}{left or 'nothing'}", file=sys.stderr, flush=True)
     sys.exit(LEFT_BEHIND if any(item != "gloo_tcp_loop" for item in left) else status)
 
 
 if __name__ == "__main__":
-    exit_checked(T.main())
+    stop = T.StopSignal()
+    exit_checked(T.main(stop=stop), stop)

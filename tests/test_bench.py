@@ -227,6 +227,7 @@ def test_resume_existing_ignores_summaries_of_other_settings(tmp_path):
 
 # ---------------------------------------------------------------- gpu_check.py
 
+@pytest.mark.torch_range
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU machine gpu_check.py runs the real checks")
 def test_gpu_check_without_a_gpu_reports_skips_and_exits_0(tmp_path):
     out = tmp_path / "gpu_check.json"
@@ -240,6 +241,72 @@ def test_gpu_check_without_a_gpu_reports_skips_and_exits_0(tmp_path):
         assert check in proc.stdout
     assert proc.stdout.count("skipped: no CUDA GPU") == len(checks)
     assert [row["result"] for row in json.loads(out.read_text())["table"]] == ["skipped: no CUDA GPU"] * len(checks)
+
+
+@pytest.mark.torch_range
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU machine gpu_check.py runs the real checks")
+def test_gpu_check_in_which_nothing_ran_keeps_an_earlier_result_and_writes_beside_it(tmp_path):
+    """--quick without a GPU replaced a real H100 result with a table of skips (issue 36): a run in which nothing
+    ran writes beside a file that holds a result and says where, in one line; one in which a check ran replaces it."""
+    out = tmp_path / "gpu_check.json"
+    real = json.dumps({"table": [{"check": G.SPEEDRUN_ROW, "result": "ok", "time": "201s of 260s",
+                                  "numbers": "1043.2 ms/step"}], "budget_s": 405})
+    out.write_text(real)
+    proc = subprocess.run([sys.executable, str(REPO / "bench" / "gpu_check.py"), "--quick", f"--out={out}"],
+                          capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr
+    beside = tmp_path / "gpu_check.nothing_ran.json"
+    assert out.read_text() == real and beside.is_file()
+    assert f"nothing ran: kept {out} (an earlier run's result); wrote this run's table to {beside}" in \
+        proc.stdout.splitlines()
+    assert G.results_path(out, [(G.FP8_ROW, "FAIL", "-", "")]) == out  # a check that ran replaces it
+    assert G.results_path(tmp_path / "none.json", [(G.FP8_ROW, "skipped: no CUDA GPU", "-", "")]) == \
+        tmp_path / "none.json"
+
+
+@pytest.mark.torch_range
+def test_gpu_check_plan_fits_one_loan_and_says_how_each_share_was_sized():
+    """--plan without a GPU (and without torch): every part with its share and its basis, the total <= 420 s."""
+    program = str(REPO / "bench" / "gpu_check.py")
+    proc = subprocess.run([sys.executable, "-c", "import sys, runpy; sys.modules['torch'] = None; sys.argv = "
+                           f"['gpu_check.py', '--plan']; runpy.run_path({program!r}, run_name='__main__')"],
+                          capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr
+    shares = dict(re.findall(r"^  \([a-e]\) (\w+) +(\d+) s  (?:estimated|measured on CPU): ", proc.stdout, re.M))
+    assert list(shares) == list(G.BUDGET_S) == list(G.PART_ROWS), proc.stdout
+    total = int(re.search(r"^total (\d+) s of 420 s", proc.stdout, re.M)[1])
+    assert total == sum(map(int, shares.values())) + G.OWN_S <= 420 == G.LOAN_S
+
+
+@pytest.mark.torch_range
+def test_gpu_check_needs_nothing_the_gpu_machines_torch_lacks(tmp_path, monkeypatch):
+    """The GPU machine has its own torch and no network: gpu_check.py imports the standard library at the top, torch,
+    numpy and this repository inside its parts, and says so when pytest (an extra) is missing."""
+    import ast
+    import importlib.util
+    tree = ast.parse((REPO / "bench" / "gpu_check.py").read_text())
+    def roots(nodes):
+        return {(a.name if isinstance(n, ast.Import) else n.module).split(".")[0]
+                for n in nodes if isinstance(n, (ast.Import, ast.ImportFrom)) for a in n.names}
+    assert roots(tree.body) <= set(sys.stdlib_module_names) | {"__future__"}
+    assert roots(ast.walk(tree)) <= set(sys.stdlib_module_names) | {"__future__", "torch", "numpy", "train_gpt",
+                                                                      "data", "records"}
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "pytest" else
+                        real_find_spec(name, *a))
+    ((check, result, numbers),) = G.check_tests(60, tmp_path)
+    assert (check, result) == (G.TESTS_ROW, "skipped: no pytest") and "requirements-extras.txt" in numbers
+
+
+def test_gpu_check_reruns_of_some_parts_get_their_share_and_a_file_of_their_own():
+    assert G.default_out((), drill=False).name == "gpu_check.json"
+    assert G.default_out(("speedrun",), drill=False).name == "gpu_check_only_speedrun.json"
+    assert G.default_out((), drill=True).name == "gpu_check_resume_drill_cpu.json"
+    assert G.default_budget(()) == sum(G.BUDGET_S.values()) == G.LOAN_S - G.OWN_S
+    assert G.default_budget(("speedrun",)) == G.BUDGET_S["speedrun"] + G.BUDGET_S["resume"]  # as on one GPU
+    assert G.default_budget(("fp8", "flex")) == G.BUDGET_S["fp8"] + G.BUDGET_S["flex"]
+    with pytest.raises(Exception, match="unknown part"):
+        G.only_parts("fp8,bogus")
 
 
 def test_gpu_check_shards_are_valid_train_gpt_shards(tmp_path):
@@ -257,6 +324,7 @@ def test_gpu_check_reads_the_summary_of_a_real_run(tiny_run):
     assert summary["peak_memory_mib"] > 0 and summary["recompiles_after_warmup"] == 0
     assert summary["runtime"] == {"attention": "banded", "fp8_head": False, "compile": "off", "dtype": "bfloat16",
                                   "device": "cpu", "chunked_loss": True, "compile_attention": False, "world_size": 1,
+                                  "compile_fp8": False, "compile_newton_schulz": False, "grad_sync_from_hooks": True,
                                   "host_malloc": "glibc mmap_threshold=268435456,trim_threshold=1073741824,top_pad=268435456",
                                   "grad_accum_steps": 2,
                                   "batch_stages": [[0, 512, 2]]}  # one stage from step 0: 512 tokens, 2 micro-steps
@@ -400,3 +468,13 @@ def test_memory_estimate_runs_the_trainers_step_and_validation_on_fake_tensors(c
     assert all(0 < float(r[4]) <= float(r[5]) for r in rows)
     state = {int(w): float(gib) for w, gib in re.findall(r"v2 train step (\d) GPU.*optimizer state ([\d.]+)", out)}
     assert state[2] < state[1], out
+
+
+@pytest.mark.parametrize("size", ["-1", "0", "nan", "inf"])
+def test_memory_estimate_refuses_a_device_size_that_is_not_positive_and_finite(size, capsys):
+    """--device_gib=-1 was accepted and printed a negative headroom for every row."""
+    import memory_estimate as M
+    from tools.cli import run_cli
+    assert run_cli(lambda: M.main([f"--device_gib={size}"]), usage_errors=(T.UsageError,)) == 2
+    assert capsys.readouterr().err == (f"error: argument --device_gib: bad value '{size}'; valid: a finite number "
+                                       "in (0, inf) (see memory_estimate.py --help)\n")

@@ -13,13 +13,14 @@ from pathlib import Path
 import pytest
 import torch
 
+import checkpoints  # noqa: E402
 import train_gpt as T
 from conftest import (RANK_DRIVER, REPO, SIX, TINY, parse_progress_line, run_main, run_trainer,
                       start_two_ranks_until_step_3, train_losses)
 from rank_driver import REPORT as LEFT_BEHIND_REPORT
 
 def final_model(log_dir, run_id, step=6):
-    return T.read_checkpoint_tensors(Path(log_dir) / run_id / f"step_{step:06d}")
+    return checkpoints.read_checkpoint_tensors(Path(log_dir) / run_id / f"step_{step:06d}")
 
 
 def resume_matches_uninterrupted(tmp_path, whole, nproc):
@@ -83,7 +84,7 @@ def test_recipe_v2_resumes_bit_identically_across_a_batch_stage_change(tmp_path)
     assert run_main(args + ["--run_id=whole"], tmp_path / "whole").returncode == 0
     first = run_main(args + ["--run_id=first", "--stop_after=3"], tmp_path / "parts")
     assert first.returncode == 0, first.stderr[-2000:]
-    moments = T.read_checkpoint_tensors(tmp_path / "parts" / "first" / "step_000003", "normuon/")
+    moments = checkpoints.read_checkpoint_tensors(tmp_path / "parts" / "first" / "step_000003", "normuon/")
     assert moments and all(m.abs().sum() > 0 for m in moments.values())
     second = run_main(args + ["--run_id=second", "--resume=latest"], tmp_path / "parts")
     assert second.returncode == 0, second.stderr[-2000:]
@@ -123,9 +124,10 @@ def test_sigterm_on_one_rank_checkpoints_all_ranks_and_resume_continues(tmp_path
     meta = json.loads((ckpts[0] / "checkpoint.json").read_text())
     assert meta["runtime"] == {"attention": "banded", "fp8_head": False, "compile": "off", "dtype": "bfloat16",
                                "device": "cpu", "chunked_loss": True, "compile_attention": False,
+                               "compile_fp8": False, "compile_newton_schulz": False, "grad_sync_from_hooks": True,
                                "host_malloc": "glibc mmap_threshold=268435456,trim_threshold=1073741824,top_pad=268435456",
                                "world_size": 2}  # resolved, not "auto"/true
-    assert meta["step"] == stopped_at and meta["format"] == T.CHECKPOINT_FORMAT
+    assert meta["step"] == stopped_at and meta["format"] == checkpoints.CHECKPOINT_FORMAT
     assert sorted(meta["files"]) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
     resumed = run_trainer(TINY + [f"--num_iterations={stopped_at + 2}", "--val_every=0", "--run_id=after",
                                   "--resume=latest"], tmp_path, nproc=2)
@@ -177,11 +179,12 @@ def test_missing_checkpoint_paths_are_clear_errors(tmp_path):
 
 
 def test_failed_write_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
-    args = T.parse_args(["--preset=cpu", "--log_dir=" + str(tmp_path)], False)
     rt = T.Runtime(0, 0, 1, torch.device("cpu"), torch.float32, "banded", False, "off")
     log = T.RunLog(None)
     state = T.TrainingState(step=1, loader={"epoch": 0, "shard": 0, "pos": 0}, tensors={"model/w": torch.arange(1e3)})
-    good = T.save_checkpoint(state, args, rt, "run", log)
+    saver = checkpoints.Checkpoints(T.RunFolder(tmp_path, "run"), keep=2, place=rt, log=log,
+                                    record={"run_id": "run", "source_sha256": "0"})
+    good = saver.save(state)
     before = {f.name: hashlib.sha256(f.read_bytes()).hexdigest() for f in good.iterdir()}
 
     def disk_full(obj, stream):  # DCP's file writer serialises each tensor with torch.save into its file
@@ -190,7 +193,7 @@ def test_failed_write_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
 
     monkeypatch.setattr(torch, "save", disk_full)
     with pytest.raises(T.UsageError) as err:
-        T.save_checkpoint(dataclasses.replace(state, step=2), args, rt, "run", log)
+        saver.save(dataclasses.replace(state, step=2))
     assert "No space left on device" in str(err.value) and f"previous checkpoint {good} is intact" in str(err.value)
     assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["step_000001"]
     assert before == {f.name: hashlib.sha256(f.read_bytes()).hexdigest() for f in good.iterdir()}

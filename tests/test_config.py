@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import flags  # noqa: E402
 import train_gpt as T  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -44,12 +45,12 @@ def test_optional_fields_parse_none_and_their_kind():
         steps: "int | None" = 3
 
     types = T.field_types(Fields)
-    assert types["lr"] == T.FieldType(float, optional=True) and types["name"] == T.FieldType(str)
-    assert types["steps"] == T.FieldType(int, optional=True)
-    assert T.parse_value(types["lr"], "none") is None and T.parse_value(types["lr"], "0.5") == 0.5
-    assert T.parse_value(types["name"], "none") == "none"  # only optional fields take none
+    assert types["lr"] == flags.FieldType(float, optional=True) and types["name"] == flags.FieldType(str)
+    assert types["steps"] == flags.FieldType(int, optional=True)
+    assert types["lr"].parse("none") is None and types["lr"].parse("0.5") == 0.5
+    assert types["name"].parse("none") == "none"  # only optional fields take none
     with pytest.raises(ValueError):
-        T.parse_value(types["steps"], "1.5")
+        types["steps"].parse("1.5")
 
 
 def test_a_field_the_command_line_cannot_set_is_refused_in_one_line():
@@ -65,9 +66,9 @@ def test_a_field_the_command_line_cannot_set_is_refused_in_one_line():
 
 
 def test_every_hyperparameter_has_a_command_line_type():
-    types = T.field_types()
+    types = T.field_types(T.Hyperparameters)
     assert set(types) == {f.name for f in dataclasses.fields(T.Hyperparameters)}
-    assert types["seed"] == T.FieldType(int) and types["muon"] == T.FieldType(bool)
+    assert types["seed"] == flags.FieldType(int) and types["muon"] == flags.FieldType(bool)
 
 
 def test_help_lists_every_flag_in_its_group_with_its_default_and_exits_0(tmp_path):
@@ -92,14 +93,14 @@ def test_the_v2_fidelity_table_states_the_recipes_values():
     header, rows = [c.strip() for c in table[0]], table[1:]
     assert header == ["technique", "constant", "record", "record's code", "ours", "flag", "note"]
     args = T.parse_args(["--preset=speedrun", "--recipe=v2"], cuda_available=True)
-    types = T.field_types()
+    types = T.field_types(T.Hyperparameters)
     checked = 0
     for cells in rows:
         technique, record, flag, note = (cells[i].strip() for i in (0, 2, 5, 6))
         assert re.match(r"(\d{4}-\d\d-\d\d_\w+|R\b|—)", record) and re.search(r"same|differ", note, re.I), cells
         for text in re.findall(r"`--(\w+)=([^`]*)`", flag):
             name, value = text
-            assert getattr(args, name) == T.parse_value(types[name], value), (technique, name, value)
+            assert getattr(args, name) == types[name].parse(value), (technique, name, value)
             checked += 1
     assert checked >= 40
 
@@ -119,10 +120,10 @@ def test_the_readme_recipes_table_lists_every_technique_with_its_flags_and_recor
     flags all appear in its rows."""
     owners = {record: t for t in T.TECHNIQUES for record in t.records}
     seen = {t.name: (set(), set()) for t in T.TECHNIQUES}
-    for flags, records in readme_recipes_rows():
+    for names, records in readme_recipes_rows():
         techniques = {owners[r].name for r in records if r in owners}
-        assert len(techniques) == 1 and records <= set(owners), (flags, records)
-        seen[techniques.pop()][0].update(flags)
+        assert len(techniques) == 1 and records <= set(owners), (names, records)
+        seen[techniques.pop()][0].update(names)
         seen[owners[next(iter(records))].name][1].update(records)
     for t in T.TECHNIQUES:
         assert set(t.flags) <= seen[t.name][0] and set(t.records) == seen[t.name][1], t.name

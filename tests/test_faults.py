@@ -19,6 +19,8 @@ import numpy as np
 import pytest
 import torch
 
+import checkpoints  # noqa: E402
+import evaluation  # noqa: E402
 import train_gpt as T
 from conftest import REPO, TINY, parse_progress_line, run_main, run_trainer, start_two_ranks_until_step_3, train_losses
 from tools import loading
@@ -34,7 +36,7 @@ def one_line_error(result, code=2):
 
 
 def all_finite(ckpt: Path) -> bool:
-    return all(torch.isfinite(t).all() for t in T.read_checkpoint_tensors(ckpt).values())
+    return all(torch.isfinite(t).all() for t in checkpoints.read_checkpoint_tensors(ckpt).values())
 
 
 # A diverging run must not rotate its good checkpoints away (log_train_loss=false hides NaN until val).
@@ -413,11 +415,11 @@ def test_a_hellaswag_line_without_four_string_endings_is_refused(tmp_path, endin
     data = tmp_path / "h.jsonl"
     data.write_text(f'{{"ctx": "x", "endings": {endings}, "label": 0}}\n')
     with pytest.raises(T.UsageError, match="line 1 of .* is not a HellaSwag example"):
-        T.read_hellaswag(data)
+        evaluation.read_hellaswag(data)
 
 
 @pytest.mark.parametrize("tool_args, message", [
-    (["sample.py", "ckpt", "--max_new_tokens=abc"], "argument --max_new_tokens: invalid int value: 'abc'"),
+    (["sample.py", "ckpt", "--max_new_tokens=abc"], "argument --max_new_tokens: bad value 'abc'; valid: an integer at least 1"),
     (["hellaswag.py"], "the following arguments are required: checkpoint"),
     (["export.py", "only_one"], "the following arguments are required: out_dir"),
 ])

@@ -164,6 +164,7 @@ def layouts(n, seed):
     yield "random", sorted(set(rng.choice(n, size=max(1, n // 150), replace=False).tolist()))
 
 
+@pytest.mark.torch_range
 @pytest.mark.parametrize("n", [128, 384, 1024])
 def test_block_mask_and_dense_mask_match_brute_force(n):
     for name, eots in layouts(n, seed=n):
@@ -216,7 +217,7 @@ def test_backends_agree(dtype, tol):
         banded = T.BandedAttention.attend(q, k, v, T.BandedAttention.build_mask(tokens, w), 0.12)
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile.*")
-            flex = T.FlexAttention.attend(q, k, v, T.FlexAttention.build_mask(tokens, w), 0.12)
+            flex = T.FlexAttention().attend(q, k, v, T.FlexAttention.build_mask(tokens, w), 0.12)
         ref = reference_attention(q, k, v, reference_mask(tokens, window), 0.12)
         assert banded.shape == flex.shape == q.shape and banded.dtype == flex.dtype == dtype
         torch.testing.assert_close(banded.double(), ref, atol=tol, rtol=tol)
@@ -416,6 +417,7 @@ def test_a_cpu_run_keeps_freed_memory_in_the_heap_unless_the_user_set_glibcs_var
     assert T.setup_runtime(T.parse_args(["--preset=cpu"], False)).host_malloc.startswith("glibc mmap_threshold=")
 
 
+@pytest.mark.torch_range
 @pytest.mark.parametrize("compile_mode, alone", [("auto", False), ("model", False), ("loss", True), ("off", True)])
 def test_flex_attention_is_compiled_on_its_own_when_the_model_is_not(monkeypatch, compile_mode, alone):
     """Uncompiled flex_attention builds the dense score matrix (58 GB per layer at 48K tokens): --compile=off or
@@ -424,17 +426,16 @@ def test_flex_attention_is_compiled_on_its_own_when_the_model_is_not(monkeypatch
     kernels = T.choose_kernels(args, "cuda", fp8_capable=True)
     assert kernels["attention"] == "flex" and kernels["compile_attention"] is alone
     assert not T.choose_kernels(T.parse_args(["--preset=cpu"], False), "cpu", False)["compile_attention"]
-    monkeypatch.setattr(T, "FLEX_KERNEL", {})
     rt = T.Runtime(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"), dtype=torch.float32,
                    **{**kernels, "fp8_head": False, "chunked_loss": False})
-    T.build_model(small_args(), rt)
-    compiled = T.FLEX_KERNEL.get("attend")
-    assert (compiled is not None) is alone
-    if alone:  # the model's attention calls go through the compiled kernel
-        from torch.nn.attention.flex_attention import flex_attention
-        assert getattr(compiled, "_torchdynamo_orig_callable", None) is flex_attention
+    kernel = T.build_model(small_args(), rt).backend.kernel  # what the model's attention calls go through
+    from torch.nn.attention.flex_attention import flex_attention
+    assert (kernel is not flex_attention) is alone
+    if alone:
+        assert getattr(kernel, "_torchdynamo_orig_callable", None) is flex_attention
 
 
+@pytest.mark.torch_range
 def test_validation_scores_the_head_a_chunk_at_a_time_on_every_path(monkeypatch):
     """GPU path (chunked_loss off): in eval mode without grad the head + loss still goes a chunk of rows at a
     time, so a 262K-token validation sequence never holds its 26 GB of logits; the loss is the plain one."""
@@ -500,6 +501,7 @@ def rel_err(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
+@pytest.mark.torch_range
 def test_fp8_matmul_matches_fp32_within_fp8_rounding():
     """Bounds from the formats: round-to-nearest with m mantissa bits has relative error uniform in
     +-2^-(m+1) of the binade, ~2^-m/sqrt(12) * 0.72 rms (the 0.72 averages over the position in the binade):
@@ -512,7 +514,7 @@ def test_fp8_matmul_matches_fp32_within_fp8_rounding():
     assert s == dict(x_scale=2.0, w_scale=2.0 ** 9, grad_scale=2.0 ** 19)
     x_ = x.clone().requires_grad_()
     w_ = w.clone().requires_grad_()
-    out, x_f8, w_f8 = T.fp8_matmul(x_, w_, s["x_scale"], s["w_scale"])
+    out, x_f8, w_f8 = T.fp8_matmul(x_, w_, s["x_scale"], s["w_scale"], "eager")
     assert out.dtype == torch.bfloat16 and out.shape == (256, 512)
     assert x_f8.dtype == w_f8.dtype == torch.float8_e4m3fn
     assert torch.equal(x_f8.float(), (x.float() * 2).to(torch.float8_e4m3fn).float())  # scaled before the cast
@@ -527,20 +529,21 @@ def test_fp8_matmul_matches_fp32_within_fp8_rounding():
     assert e_out > 1e-3  # and it really went through 8-bit floats
 
 
+@pytest.mark.torch_range
 def test_fp8_matmul_opcheck():
     x, w, grad = fp8_case(n=32, d=64, vocab=128)
-    torch.library.opcheck(T.fp8_matmul, (x, w, 2.0, 2.0 ** 9))
+    torch.library.opcheck(T.fp8_matmul, (x, w, 2.0, 2.0 ** 9, "eager"))
     x_f8, w_f8 = (x * 2).to(torch.float8_e4m3fn), (w * 2 ** 9).to(torch.float8_e4m3fn)
     # test_schema is left out for the backward op: its mutation check compares the float8 inputs with
     # torch.allclose, which is not implemented for float8 on CPU (a limitation of opcheck, not of the op)
-    torch.library.opcheck(T.fp8_matmul_backward, (grad.bfloat16(), x_f8, w_f8, 2.0, 2.0 ** 9, 2.0 ** 19),
+    torch.library.opcheck(T.fp8_matmul_backward, (grad.bfloat16(), x_f8, w_f8, 2.0, 2.0 ** 9, 2.0 ** 19, "eager"),
                           test_utils=("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic"))
 
 
 class TinyHead(torch.nn.Module):
     def __init__(self):
         super().__init__()
-        self.head = T.CastedLinear(64, 256, fp8=True)
+        self.head = T.CastedLinear(64, 256, fp8="eager")
 
     def forward(self, x):
         return torch.nn.functional.cross_entropy(self.head(T.rms_norm(x)).float(), torch.arange(x.size(0)) % 256)
@@ -602,12 +605,13 @@ def test_small_model_learns_synthetic_documents():
 
 # ----------------------------------------------------------------------------- GPU only
 
+@pytest.mark.torch_range
 @needs_cuda("FlexAttention's compiled backward runs only on GPU")
 def test_flex_attention_compiled_matches_banded_on_cuda():
     device = torch.device("cuda")
     n = 4096
     tokens = tokens_with_docs(n, [0, 700, 701, 2000, 2100, 3333]).to(device)
-    attend = torch.compile(T.FlexAttention.attend)
+    attend = torch.compile(T.FlexAttention().attend)
     for window in (1, 3, 14):
         w = torch.tensor(window, device=device)
         inputs = [t.to(device).requires_grad_() for t in attention_inputs(n, heads=6, dim=128,
@@ -624,13 +628,14 @@ def test_flex_attention_compiled_matches_banded_on_cuda():
             assert rel_err(a, b) < 2e-2
 
 
+@pytest.mark.torch_range
 @needs_cuda("compute capability >= 8.9 for torch._scaled_mm FP8 kernels",
             torch.cuda.is_available() and T.fp8_supported(torch.device("cuda")))
 def test_fp8_head_matches_bf16_on_cuda():
     x, w, grad = (t.cuda() for t in fp8_case(n=1024, d=768, vocab=50304))
     x_ = x.clone().requires_grad_()
     w_ = w.clone().requires_grad_()
-    out = T.fp8_matmul(x_, w_, 2.0, 2.0 ** 9)[0]
+    out = T.fp8_matmul(x_, w_, 2.0, 2.0 ** 9, "eager")[0]
     out.backward(grad)
     x_ref = x.clone().requires_grad_()
     w_ref = w.clone().requires_grad_()
@@ -639,12 +644,11 @@ def test_fp8_head_matches_bf16_on_cuda():
     assert rel_err(out, ref) < 0.1 and rel_err(x_.grad, x_ref.grad) < 0.15 and rel_err(w_.grad, w_ref.grad) < 0.15
 
 
+@pytest.mark.torch_range
 @needs_cuda("a 48K-token speedrun-shape step compiled with FlexAttention")
 def test_speedrun_model_compiled_step_on_cuda(monkeypatch):
     args = T.parse_args(["--preset=speedrun"], cuda_available=True)
     device = torch.device("cuda")
-    for kernel in ("forward", "backward"):  # compile="model" compiles the FP8 kernels as the trainer does; undone after
-        monkeypatch.setitem(T.FP8_KERNELS, kernel, T.FP8_KERNELS[kernel])
     rt = T.Runtime(rank=0, local_rank=0, world_size=1, device=device, dtype=torch.bfloat16, attention="flex",
                    fp8_head=T.fp8_supported(device), compile="model")
     torch.manual_seed(0)
@@ -791,7 +795,7 @@ def test_paired_head_attention_matches_the_written_out_reference(backend):
     n = 512
     tokens = tokens_with_docs(n, [0, 100, 301, 302])
     q, k, v = attention_inputs(n, heads=4, dim=16, seed=3)
-    be = T.ATTENTION_BACKENDS[backend]
+    be = T.attention_backend(backend)
     for window in (1, 3):
         mask = be.build_mask(T.paired_tokens(tokens), torch.tensor(window))
         y = T.unpair_heads(be.attend(T.pair_heads(q), T.pair_heads(k), T.pair_heads(v), mask, 0.12))

@@ -9,6 +9,8 @@ mixed/ good runs next to truncated, crashed, unknown-format and broken-JSON file
 import importlib.util
 import json
 import math
+import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -94,9 +96,10 @@ def test_group_stats_verdict():
 # ---------------------------------------------------------------- parsing
 
 def test_the_reader_parses_what_the_trainers_one_writer_writes():
+    import runlog
     import train_gpt as T
     # the units the reader strips are the ones the trainer writes
-    assert set(rr.PROGRESS_UNITS) == {unit for _, unit in T.PROGRESS_FIELDS.values() if unit}
+    assert set(rr.PROGRESS_UNITS) == {unit for _, unit in runlog.PROGRESS_FIELDS.values() if unit}
     written = T.progress_line(3, 80, val_loss=6.12345, train_time=98.4, step_avg=32.666, energy=12.3)
     line = rr.parse_progress_line(written)
     assert (line.step, line.total) == (3, 80)
@@ -241,6 +244,75 @@ def test_cli_exits_nonzero_when_nothing_readable(tmp_path):
     assert proc.returncode == 2 and proc.stderr.startswith(f"error: no log or summary found in {tmp_path / 'empty'}")
 
 
+H100 = {"gpu_s1": 3.2712, "gpu_s2": 3.2745, "gpu_s3": 3.2731}  # the fixture's runs of one preset: a record
+
+
+def beside_a_record(tmp_path, name, text):
+    """read_runs of the h100 fixture runs plus one more file, `name` holding `text`; also that file's path."""
+    for run in H100:
+        for found in (FIX / "ours").glob(run + ".*"):
+            shutil.copy(found, tmp_path / found.name)
+    (tmp_path / name).write_text(text)
+    return rr.read_runs([str(tmp_path)]), str(tmp_path / name)
+
+
+def assert_the_record_stands(runs):
+    """The verdict on the good runs is the one they get alone: one bad file hides nothing."""
+    assert sorted(r.name for r in runs) == sorted(H100)
+    [s] = rr.group_stats(runs, target=3.28, alpha=0.01, notes=[])
+    assert s["n"] == 3 and s["mean"] == pytest.approx(np.mean(list(H100.values())))
+    if _have("scipy"):
+        assert s["meets"] is True
+
+
+@pytest.mark.parametrize("field, value, reason", [
+    ("final_val_loss", None, "bad value null for final_val_loss; valid: a finite number >= 0"),
+    ("final_val_loss", True, "bad value true for final_val_loss; valid: a finite number >= 0"),
+    ("final_val_loss", math.nan, "bad value NaN for final_val_loss; valid: a finite number >= 0"),
+    ("final_val_loss", "abc", 'bad value "abc" for final_val_loss; valid: a finite number >= 0'),
+    ("steps", -5, "bad value -5 for steps; valid: an integer >= 0"),
+    ("train_time_ms", -1, "bad value -1 for train_time_ms; valid: a finite number >= 0"),
+    ("world_size", True, "bad value true for world_size; valid: an integer >= 1"),
+    ("val_curve", [[0, 10.8, 0.0], [5, math.inf, 9.0]], "bad value Infinity for val_loss at step 5; valid: a finite"),
+])
+def test_a_summary_with_a_number_out_of_range_is_skipped_and_the_verdict_stands(tmp_path, field, value, reason):
+    summary = json.loads((FIX / "ours" / "gpu_s2.json").read_text())
+    summary.update({"run_id": "bad", field: value})
+    (runs, skipped), path = beside_a_record(tmp_path, "bad.json", json.dumps(summary))
+    assert len(skipped) == 1 and skipped[0][0] == path and skipped[0][1].startswith(reason), skipped
+    assert_the_record_stands(runs)
+
+
+@pytest.mark.parametrize("log, line, bad_line, reason", [
+    ("ours/gpu_s1.txt", "final: val_loss:3.2712 steps:20", "final: val_loss:nan steps:20",
+     "bad value NaN for final_val_loss"),
+    ("ours/gpu_s1.txt", "final: val_loss:3.2712 steps:20", "final: val_loss:3.2712 steps:-5",
+     "bad value -5.0 for steps; valid: an integer >= 0"),
+    ("public/3f2a9c1e-0b7d-4e55-9a41-6c2d8e1f0a01.txt", "step:40/40 val_loss:3.2768", "step:40/40 val_loss:inf",
+     "bad value Infinity for final_val_loss"),
+    ("public/3f2a9c1e-0b7d-4e55-9a41-6c2d8e1f0a01.txt", "step:0/40 val_loss:10.8258 train_time:0ms",
+     "step:0/40 val_loss:10.8258 train_time:-5ms", "bad value -5.0 for train_time at step 0"),
+])
+def test_a_txt_log_with_a_number_out_of_range_is_skipped_by_the_same_rule(tmp_path, log, line, bad_line, reason):
+    """The project's and the public .txt logs are held to the summaries' rules (read_records.check_run)."""
+    text = (FIX / log).read_text()
+    assert text.count(line) == 1  # the real line, not the look-alike in the logged source
+    (runs, skipped), path = beside_a_record(tmp_path, "bad.txt", text.replace(line, bad_line))
+    assert len(skipped) == 1 and skipped[0][0] == path and skipped[0][1].startswith(reason), skipped
+    assert_the_record_stands(runs)
+
+
+def test_cli_skips_a_nan_loss_in_one_line_and_keeps_the_verdict(tmp_path):
+    summary = json.loads((FIX / "ours" / "gpu_s2.json").read_text())
+    summary.update({"run_id": "bad", "final_val_loss": math.nan})
+    _, path = beside_a_record(tmp_path, "bad.json", json.dumps(summary))
+    proc = run_cli(tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert f"skipped {path}: bad value NaN for final_val_loss; valid: a finite number >= 0\n" in proc.stderr
+    assert f"n=3 finished runs, mean final val loss {np.mean(list(H100.values())):.4f}" in proc.stdout
+    assert "| bad |" not in proc.stdout
+
+
 # ---------------------------------------------------------------- CLI output
 
 def test_cli_table_and_stats():
@@ -305,6 +377,17 @@ def test_group_by_gives_separate_stats():
                for ln in stat_lines)
 
 
+@pytest.mark.parametrize("option, valid", [
+    ("--alpha=1", "a finite number in (0, 1)"), ("--alpha=0", "a finite number in (0, 1)"),
+    ("--target=nan", "a finite number in (0, inf)"), ("--target=-3.28", "a finite number in (0, inf)"),
+])
+def test_an_option_out_of_range_is_one_error_line(option, valid, capsys):
+    assert rr.main([str(FIX / "ours"), option]) == 2
+    err = capsys.readouterr().err
+    name, value = option.split("=")
+    assert err == f"error: argument {name}: bad value '{value}'; valid: {valid} (see read_records.py --help)\n"
+
+
 # ---------------------------------------------------------------- plots and extras
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -322,6 +405,54 @@ def test_plots_are_written(tmp_path):
         assert data[:8] == PNG_SIGNATURE
         assert len(data) > 10_000
         assert f"wrote {path}" in proc.stdout
+
+
+needs_matplotlib = pytest.mark.skipif(not _have("matplotlib"),
+                                      reason="matplotlib not installed: pip install -r requirements-extras.txt")
+
+
+@needs_matplotlib
+@pytest.mark.parametrize("under", [False, True])
+def test_a_plot_folder_that_is_a_file_or_under_one_is_one_line(tmp_path, under):
+    (tmp_path / "notes").write_bytes(b"a file of the user's")
+    folder = tmp_path / "notes" / "plots" if under else tmp_path / "notes"
+    proc = run_cli(FIX / "ours", "--plot", folder)
+    expected = (f"error: cannot make the --plot folder {folder} (Not a directory); pass a folder you can write"
+                if under else f"error: --plot {folder} is a file, not a folder; pass a folder (it is made if missing)")
+    assert proc.returncode == 2 and proc.stderr == expected + "\n", proc.stderr
+    assert (tmp_path / "notes").read_bytes() == b"a file of the user's"
+
+
+@needs_matplotlib
+def test_a_plot_folder_that_cannot_be_written_is_one_line(tmp_path, monkeypatch, capsys):
+    from matplotlib.figure import Figure
+    folder = tmp_path / "plots"
+    folder.mkdir(mode=0o555)
+    if os.geteuid() == 0:  # root writes into any folder: refuse the write as the folder would anyone else's
+        def refused(self, path, **kwargs):
+            raise PermissionError(13, "Permission denied", str(path))
+        monkeypatch.setattr(Figure, "savefig", refused)
+    assert rr.main([str(FIX / "ours"), "--plot", str(folder)]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"error: cannot write {folder / 'val_loss_vs_step.png'} (Permission denied); pass a --plot "
+                   "folder you can write\n")
+
+
+@needs_matplotlib
+def test_plots_replace_only_the_files_this_program_wrote(tmp_path):
+    folder = tmp_path / "plots"
+    assert run_cli(FIX / "ours", "--plot", folder).returncode == 0
+    step, time = folder / "val_loss_vs_step.png", folder / "val_loss_vs_time.png"
+    first = step.read_bytes()
+    assert run_cli(FIX / "public", "--plot", folder).returncode == 0  # its own plots: replaced
+    assert step.read_bytes() != first
+    time.write_bytes(PNG_SIGNATURE + b"the user's own plot")
+    ours = step.read_bytes()
+    proc = run_cli(FIX / "ours", "--plot", folder)
+    assert proc.returncode == 2 and proc.stderr == (
+        f"error: {time} is not a plot read_records.py wrote, so it is left as is; move it or pass another --plot "
+        "folder\n"), proc.stderr
+    assert time.read_bytes() == PNG_SIGNATURE + b"the user's own plot" and step.read_bytes() == ours
 
 
 def test_without_scipy_and_matplotlib_table_still_works(tmp_path):
@@ -349,3 +480,34 @@ def test_reader_parses_a_real_log_written_by_the_trainer(tmp_path, tiny_run):
     assert parsed["steps"] == 4 and parsed["world_size"] == 1
     assert parsed["final_val_loss"] == pytest.approx(log_vals[4], abs=1e-4)
     assert [point[0] for point in parsed["val_curve"]] == sorted(log_vals)
+
+
+# ---------------------------------------------------------------- a run rebuilt from its log alone
+
+def test_a_run_rebuilt_from_its_logs_embedded_sources_reruns_to_the_same_losses(tmp_path, tiny_run):
+    """The log embeds train_gpt.py and every sibling module it imported; records/rebuild_run.py writes them into
+    an empty folder and prints the command with every logged hyperparameter. Rerun from there (only the log
+    folder and run id changed, checkpoints off), it imports its siblings from that folder and trains to the
+    same losses, bit for bit."""
+    from conftest import train_losses, val_losses
+    log = tiny_run / "tiny.txt"
+    sources, _ = rr.log_sources(log.read_text())
+    assert {"train_gpt.py", "flags.py", "runlog.py", "checkpoints.py"} <= set(sources)
+    assert all(sources[name] == (REPO / name).read_text() for name in sources)  # byte for byte
+    out = tmp_path / "rebuilt"
+    done = subprocess.run([sys.executable, str(REPO / "records" / "rebuild_run.py"), str(log), str(out)],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    command = shlex.split(done.stdout.strip().splitlines()[-1])
+    assert command[1] == str(out / "train_gpt.py") and "--n_layer=2" in command and "--seed=0" in command
+    again = subprocess.run(command + [f"--log_dir={tmp_path / 'logs'}", "--run_id=again", "--checkpoint_every=0",
+                                      "--checkpoint_final=false"], cwd=REPO, capture_output=True, text=True,
+                           timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert again.returncode == 0, again.stderr[-2000:]
+    rerun = (tmp_path / "logs" / "again.txt").read_text()
+    assert rr.log_sources(rerun)[0] == sources  # the rebuilt files, and nothing from the checkout, ran
+    original = log.read_text()
+    assert train_losses(rerun) == train_losses(original) and val_losses(rerun) == val_losses(original)
+    refused = subprocess.run([sys.executable, str(REPO / "records" / "rebuild_run.py"), str(log), str(out)],
+                             capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 2 and "already holds train_gpt.py" in refused.stderr  # never over a file

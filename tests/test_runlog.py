@@ -8,6 +8,7 @@ import types
 import pytest
 import torch
 
+import runlog  # noqa: E402
 import train_gpt as T
 from conftest import parse_progress_line, REPO, TINY, run_trainer
 
@@ -53,18 +54,18 @@ def set_energy(root, i, value):
 def test_nvml_meter_sums_only_the_intervals_it_runs_for():
     rt = T.Runtime(0, 3, 1, torch.device("cpu"), torch.float32, "banded", False, "off")
     nvml = FakeNvml([1_000_000, 1_500_000, 9_000_000, 9_250_000])  # start, stop, (validation), start, stop
-    meter = T.EnergyMeter(T.NvmlCounter("00000000:3B:00.0", nvml))
+    meter = T.EnergyMeter(runlog.NvmlCounter("00000000:3B:00.0", nvml))
     meter.start(); meter.stop(); meter.start(); meter.stop()
-    assert meter.joules == pytest.approx(500.0 + 250.0)
+    assert meter.joules["train"] == pytest.approx(500.0 + 250.0)
     assert nvml.handles == ["00000000:3B:00.0"]
-    assert meter.total(rt) == (pytest.approx(750.0), 1)
+    assert meter.totals(rt) == {"train": pytest.approx(750.0), "warmup": 0.0, "validation": 0.0, "ranks": 1}
 
 
 def test_the_gpu_is_found_by_its_pci_bus_id_not_its_cuda_index():
     """Under CUDA_VISIBLE_DEVICES=3,5 torch's cuda:0 is NVML's GPU 3: the handle comes from the bus id."""
     props = types.SimpleNamespace(pci_domain_id=0, pci_bus_id=0x3B, pci_device_id=0)  # as torch reports them
-    assert T.nvml_bus_id(props) == "00000000:3B:00.0"  # nvidia-smi's "Bus-Id" form
-    assert T.nvml_bus_id(types.SimpleNamespace(pci_domain_id=1, pci_bus_id=200, pci_device_id=31)) == "00000001:C8:1F.0"
+    assert runlog.nvml_bus_id(props) == "00000000:3B:00.0"  # nvidia-smi's "Bus-Id" form
+    assert runlog.nvml_bus_id(types.SimpleNamespace(pci_domain_id=1, pci_bus_id=200, pci_device_id=31)) == "00000001:C8:1F.0"
 
 
 def test_rapl_sums_packages_skips_subdomains_and_survives_wraparound(tmp_path):
@@ -75,7 +76,7 @@ def test_rapl_sums_packages_skips_subdomains_and_survives_wraparound(tmp_path):
     set_energy(root, 0, 4_000_000)  # +3 J
     set_energy(root, 1, 1_500_000)  # wrapped: +0.5 J to the top, +1.5 J after
     meter.stop()
-    assert meter.joules == pytest.approx(3.0 + 2.0)
+    assert meter.joules["train"] == pytest.approx(3.0 + 2.0)
 
 
 def test_rapl_is_read_by_local_rank_zero_only(tmp_path):
@@ -88,13 +89,14 @@ def test_rapl_is_read_by_local_rank_zero_only(tmp_path):
 def test_unreadable_counters_give_a_reason(tmp_path):
     meter = T.EnergyMeter.open(CPU_RANK0, powercap_root=tmp_path / "missing")
     assert meter.counters is None and "no RAPL package domains" in meter.reason
-    assert meter.total(CPU_RANK0) == (None, 0)
-    assert T.energy_line(None, 0, meter.reason, 10.0, 1000) == f"energy: n/a ({meter.reason})"
+    assert meter.totals(CPU_RANK0) is None
+    assert T.energy_line(None, meter.reason, 10.0, 1000) == f"energy: n/a ({meter.reason})"
 
 
 def test_energy_line_reports_kwh_power_and_tokens_per_kwh():
-    line = T.energy_line(7200.0, 2, "", 10.0, 1_000_000)
-    assert line == "energy: 7200.0 J (0.002000 kWh) mean_power:360.0W/device tokens_per_kWh:5.000e+08"
+    line = T.energy_line({"train": 7200.0, "warmup": 31.5, "validation": 12.25, "ranks": 2}, "", 10.0, 1_000_000)
+    assert line == ("energy: 7200.0 J (0.002000 kWh) mean_power:360.0W/device tokens_per_kWh:5.000e+08 "
+                    "warmup:31.5J validation:12.2J")
 
 
 SUM_DRIVER = textwrap.dedent('''
@@ -105,9 +107,9 @@ SUM_DRIVER = textwrap.dedent('''
     rank = dist.get_rank()
     rt = T.Runtime(rank, rank, 2, torch.device("cpu"), torch.float32, "banded", False, "off")
     meter = T.EnergyMeter(object() if rank == 0 else None, "" if rank == 0 else "no counter")  # rank 1 measures nothing
-    meter.joules = 123.5 if rank == 0 else 0.0
+    meter.joules["train"], meter.joules["validation"] = (123.5, 2.0) if rank == 0 else (0.0, 0.0)
     with open(sys.argv[1] + f"/total{{rank}}.txt", "w") as out:  # one file per rank: stdout lines interleave
-        out.write(repr(meter.total(rt)))
+        out.write(repr(meter.totals(rt)))
     dist.destroy_process_group()
 ''')
 
@@ -118,7 +120,8 @@ def test_energy_is_summed_over_ranks(tmp_path):
     result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                              str(driver), str(tmp_path)], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
-    assert [(tmp_path / f"total{r}.txt").read_text() for r in range(2)] == ["(123.5, 1)"] * 2
+    assert [(tmp_path / f"total{r}.txt").read_text() for r in range(2)] == \
+        ["{'train': 123.5, 'warmup': 0.0, 'validation': 2.0, 'ranks': 1}"] * 2
 
 
 def test_profiler_writes_a_chrome_trace_per_rank(tmp_path):

@@ -11,6 +11,7 @@ import time
 import pytest
 import torch
 
+import checkpoints  # noqa: E402
 import train_gpt as T
 from conftest import REPO, SIX, only_log, run_main, run_trainer, train_losses, val_losses
 
@@ -30,6 +31,7 @@ WORLD_SIZE_TOLERANCE = 2e-3
 STATE_TOLERANCE = 2e-2
 
 
+@pytest.mark.torch_range
 def test_cpu_run_writes_a_complete_log_and_summary(tiny_run):
     tmp_path = tiny_run
     log = (tmp_path / "tiny.txt").read_text()
@@ -75,7 +77,8 @@ DRIVER = textwrap.dedent('''
             chunks = [self.stream.take(self.seq_len, self.bos_align) for _ in range(self.world_size * accum)]
             return [T.to_device(chunks[i], self.device) for i in range(0, len(chunks), self.world_size)]
         T.DistributedTokenLoader.next_batch = same_data_everywhere
-    exit_checked(T.main())
+    stop = T.StopSignal()
+    exit_checked(T.main(stop=stop), stop)
 ''')
 
 
@@ -93,10 +96,10 @@ def optimizer_state(tmp_path, run_id, step=4):
     """Adam masters and moments, Muon momenta and NorMuon's second moments (when on) after the run, as whole
     tensors (DCP joins the shards)."""
     folder = tmp_path / run_id / f"step_{step:06d}"
-    state = {f"adam {name}": t.float() for name, t in T.read_checkpoint_tensors(folder, "adam/").items()
+    state = {f"adam {name}": t.float() for name, t in checkpoints.read_checkpoint_tensors(folder, "adam/").items()
              if not name.endswith("/step")}
     for prefix in ("muon/", "normuon/"):
-        state.update({f"{prefix}{name}": t.float() for name, t in T.read_checkpoint_tensors(folder, prefix).items()})
+        state.update({f"{prefix}{name}": t.float() for name, t in checkpoints.read_checkpoint_tensors(folder, prefix).items()})
     return state
 
 

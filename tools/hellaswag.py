@@ -19,36 +19,35 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tools.loading import OneLineArgumentParser, T, load_model, run_tool  # noqa: E402
+from tools.cli import OneLineArgumentParser, integer  # noqa: E402
+import evaluation  # noqa: E402
+from tools.loading import T, load_model, run_tool  # noqa: E402
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
     p = OneLineArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("checkpoint", help="step_N/ folder of train_gpt.py, or a tools/export.py folder")
-    p.add_argument("--data", default="", help=f"a local HellaSwag JSONL file (default: the pinned {T.HELLASWAG_FILE})")
-    p.add_argument("--cache_dir", default="", help=f"where the download is kept (default {T.download_cache_dir()})")
-    p.add_argument("--limit", type=int, default=0, help="score only the first N examples (0: all)")
+    p.add_argument("--data", default="", help=f"a local HellaSwag JSONL file (default: the pinned {evaluation.HELLASWAG_FILE})")
+    p.add_argument("--cache_dir", default="", help=f"where the download is kept (default {evaluation.download_cache_dir()})")
+    p.add_argument("--limit", type=integer(0), default=0, help="score only the first N examples (0: all)")
     p.add_argument("--window", default="step", choices=["step", "final"],
                    help="attention window of the checkpoint's step, or the schedule's final one")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
-    opts = p.parse_args(argv)
-    if opts.limit < 0:
-        p.error("--limit must not be negative")
-    return opts
+    return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     opts = parse(argv)
     loaded = load_model(opts.checkpoint, opts.device, opts.window)
-    max_tokens = min(T.HELLASWAG_PACK_TOKENS, loaded.model.context_len)
-    items, path = T.load_hellaswag(opts.data, max_tokens, Path(opts.cache_dir) if opts.cache_dir else None)
+    max_tokens = min(evaluation.HELLASWAG_PACK_TOKENS, loaded.model.context_len)
+    items, path = evaluation.load_hellaswag(opts.data, max_tokens, Path(opts.cache_dir) if opts.cache_dir else None)
     if opts.data:
-        pinned = T.git_blob_id(path.read_bytes()) == T.HELLASWAG_BLOB_SHA1
+        pinned = evaluation.git_blob_id(path.read_bytes()) == evaluation.HELLASWAG_BLOB_SHA1
         print(f"{path}: {'the pinned validation file' if pinned else 'not the pinned validation file'}",
               file=sys.stderr)
     items = items[:opts.limit] if opts.limit else items
     started = time.perf_counter()
-    result = T.hellaswag_score(loaded.model, items, loaded.window_blocks)
+    result = evaluation.hellaswag_score(loaded.model, items, loaded.window_blocks)
     print(f"hellaswag: acc:{result.acc:.4f} acc_norm:{result.acc_norm:.4f} examples:{result.examples} "
           f"({loaded.source}, step {loaded.step}, window {loaded.window_blocks} blocks, "
           f"{time.perf_counter() - started:.1f}s)")

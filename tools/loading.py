@@ -6,7 +6,6 @@ weights, so any model flag train_gpt.py gains flows through without a change her
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import sys
@@ -19,6 +18,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+import checkpoints  # noqa: E402
 import train_gpt as T  # noqa: E402
 from tools.cli import run_cli  # noqa: E402
 
@@ -26,13 +26,6 @@ from tools.cli import run_cli  # noqa: E402
 def run_tool(main, interrupted: str = "nothing was lost") -> int:
     """How a tool ends: run_cli, with the trainer's UsageError (which the model code raises) as a usage error."""
     return run_cli(main, interrupted, usage_errors=(T.UsageError,))
-
-class OneLineArgumentParser(argparse.ArgumentParser):
-    """argparse for the tools: a bad argument is the one 'error: ...' line (exit 2) that run_tool prints for
-    every usage error, not argparse's usage block; --help still prints the whole usage."""
-
-    def error(self, message: str):
-        raise T.UsageError(f"{message} (see {self.prog} --help)")
 
 
 EXPORT_CONFIG = "config.json"  # tools/export.py writes these; load_exported reads them
@@ -137,9 +130,9 @@ def build(args: T.Hyperparameters, state: dict, step: int, device: torch.device,
 def load_checkpoint(path: Path, device: torch.device, window: str = "step") -> LoadedModel:
     """A step_N/ folder of train_gpt.py: checkpoint.json (validated by the trainer's reader) and the model weights
     of its DCP files (each file's size and sha256 verified first, as the trainer verifies them)."""
-    meta = T.read_checkpoint_meta(path)
-    args = hyperparameters_from(meta["hyperparameters"], path / T.CHECKPOINT_META)
-    return build(args, T.read_checkpoint_tensors(path), meta["step"], device, window, path)
+    meta = checkpoints.read_checkpoint_meta(path)
+    args = hyperparameters_from(meta["hyperparameters"], path / checkpoints.CHECKPOINT_META)
+    return build(args, checkpoints.read_checkpoint_tensors(path), meta["step"], device, window, path)
 
 
 def load_model(path: str | Path, device: str | torch.device = "auto", window: str = "step") -> LoadedModel:
@@ -150,11 +143,11 @@ def load_model(path: str | Path, device: str | torch.device = "auto", window: st
     """
     path = Path(path)
     device = device if isinstance(device, torch.device) else pick_device(device)
-    if (path / T.CHECKPOINT_META).is_file():
+    if (path / checkpoints.CHECKPOINT_META).is_file():
         return load_checkpoint(path, device, window)
     if (path / EXPORT_CONFIG).is_file() and (path / EXPORT_WEIGHTS).is_file():
         return load_exported(path, device, window)
-    what = "does not exist" if not path.exists() else f"has no {T.CHECKPOINT_META} (nor {EXPORT_CONFIG} + " \
+    what = "does not exist" if not path.exists() else f"has no {checkpoints.CHECKPOINT_META} (nor {EXPORT_CONFIG} + " \
         f"{EXPORT_WEIGHTS})"
     raise T.UsageError(f"{path} {what}; pass a step_N folder that train_gpt.py wrote (train with "
                        "--checkpoint_final=true) or a folder tools/export.py wrote")

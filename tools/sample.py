@@ -5,7 +5,8 @@ The prompt starts a document (an <|endoftext|> token goes first, as in training;
 the prompt starts another one). Decoding uses the model's own attention rules (document start, long and
 short sliding windows) through a KV cache, so each new token costs O(window), not a pass over the
 prefix; --kv_cache=false runs the full-prefix forward instead, for comparison. A sample ends at
---max_new_tokens or when the model ends the document.
+--max_new_tokens (at least 1) or when the model ends the document. --temperature=0 decodes greedily; a
+positive one is at least 1e-6, since smaller ones overflow the scaled logits.
 """
 
 from __future__ import annotations
@@ -20,9 +21,13 @@ import torch
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tools.loading import OneLineArgumentParser, T, load_model, run_tool  # noqa: E402
+from tools.cli import OneLineArgumentParser, integer, number  # noqa: E402
+import evaluation  # noqa: E402
+from tools.loading import T, load_model, run_tool  # noqa: E402
 
 EOT = T.EOT_TOKEN
+# Below this a temperature divides the logits past float32's range (NaN probabilities); 0 is greedy already.
+MIN_TEMPERATURE = 1e-6
 
 
 def fit_prompt(prompt: list[int], max_new_tokens: int, context: int) -> tuple[list[int], bool]:
@@ -46,28 +51,23 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p = OneLineArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("checkpoint", help="step_N/ folder of train_gpt.py, or a tools/export.py folder")
     p.add_argument("--prompt", default="", help="text the samples continue (default: none, a fresh document)")
-    p.add_argument("--max_new_tokens", type=int, default=100)
-    p.add_argument("--temperature", type=float, default=1.0, help="0: greedy")
-    p.add_argument("--top_k", type=int, default=50, help="0: the whole vocabulary")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--num_samples", type=int, default=1)
+    p.add_argument("--max_new_tokens", type=integer(1), default=100, help="at least 1 (default %(default)s)")
+    p.add_argument("--temperature", type=number(MIN_TEMPERATURE, also=(0.0,)), default=1.0,
+                   help=f"0: greedy, else at least {MIN_TEMPERATURE:g} (default %(default)s)")
+    p.add_argument("--top_k", type=integer(0), default=50, help="0: the whole vocabulary (default %(default)s)")
+    p.add_argument("--seed", type=integer(0, 2**64 - 1), default=0, help="of torch.Generator (default %(default)s)")
+    p.add_argument("--num_samples", type=integer(1), default=1)
     p.add_argument("--kv_cache", default="true", choices=["true", "false"],
                    help="false: a full forward over the prefix for every token (slow; for comparison)")
     p.add_argument("--window", default="step", choices=["step", "final"],
                    help="attention window of the checkpoint's step, or the schedule's final one")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
-    args = p.parse_args(argv)
-    for name in ("max_new_tokens", "num_samples"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name} must be at least 1")
-    if args.top_k < 0 or args.temperature < 0:
-        p.error("--top_k and --temperature must not be negative")
-    return args
+    return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     opts = parse(argv)
-    enc = T.gpt2_tokenizer()
+    enc = evaluation.gpt2_tokenizer()
     loaded = load_model(opts.checkpoint, opts.device, opts.window)
     model, context = loaded.model, loaded.model.context_len
     prompt, cut = fit_prompt(encode_prompt(enc, opts.prompt), opts.max_new_tokens, context)
@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         start = time.perf_counter()
-        new = T.generate(model, prompt, opts.max_new_tokens, loaded.window_blocks, opts.temperature, opts.top_k,
+        new = evaluation.generate(model, prompt, opts.max_new_tokens, loaded.window_blocks, opts.temperature, opts.top_k,
                        generator, kv_cache=opts.kv_cache == "true")
         if device.type == "cuda":
             torch.cuda.synchronize(device)

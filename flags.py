@@ -1,0 +1,171 @@
+"""The trainer's command line, beside train_gpt.py: how a dataclass of hyperparameters becomes `--name=value`
+flags (their kinds, their one-line help and groups, the range each accepts), and the one-line errors and exit
+statuses every bad input ends in. Nothing here knows the speedrun: train_gpt.py declares its Hyperparameters with
+flag() and its ranges with the rules below. No torch: tools/cli.py gives data/ and records/ the same endings.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import types
+import typing
+from dataclasses import dataclass
+
+# Exit statuses, the same for every program here (README, "Errors and exit statuses"; tools/cli.py has the rest).
+EXIT_OK = 0
+EXIT_USAGE = 2  # a UsageError: the one-line message says what to fix
+EXIT_PEER_LOST = 3  # a collective failed: another rank died or stopped answering
+EXIT_RUN_FAILED = 4  # a RunFailed: the run itself failed (diverged, out of data, disk full), not its input
+
+
+class UsageError(Exception):
+    """An expected bad condition (flag, data, checkpoint, file, environment): reported as one line that
+    says what to do, no traceback. tools/cli.py has the torch-free twin that data/ and records/ raise."""
+    exit_status = EXIT_USAGE
+
+
+class RunFailed(UsageError):
+    """A run that started well and failed on its own (diverged, ran out of data, a full disk, a full KV cache):
+    one line that says what to do, like a UsageError, but its own exit status, since no flag was wrong."""
+    exit_status = EXIT_RUN_FAILED
+
+
+# ----------------------------------------------------------------------------- fields as flags
+
+def flag(default, doc: str = "", group: str | None = None):
+    """A hyperparameter: its default, what it does (one line of --help) and, on the first field of a group, the
+    group's title; the fields that follow belong to it until the next title."""
+    return dataclasses.field(default=default, metadata={"doc": doc, "group": group})
+
+
+@dataclass(frozen=True)
+class FieldType:
+    """How the command line sets a hyperparameter: its kind, and whether 'none' sets it to None."""
+    kind: type  # bool | int | float | str
+    optional: bool = False  # annotated `kind | None`
+
+    def __str__(self) -> str:
+        return self.kind.__name__ + (" or none" if self.optional else "")
+
+    def parse(self, text: str):
+        """The value of a command-line text; ValueError when it is not of this kind."""
+        if self.optional and text.lower() == "none":
+            return None
+        if self.kind is bool:
+            lowered = text.lower()
+            if lowered in ("1", "true", "yes", "on"):
+                return True
+            if lowered in ("0", "false", "no", "off"):
+                return False
+            raise ValueError("expected true/false")
+        return self.kind(text)
+
+    def holds(self, value: object) -> bool:
+        """Whether a JSON value (a checkpoint's record) is of this kind: an int passes for a float, a bool for
+        nothing but a bool."""
+        if value is None or isinstance(value, bool):
+            return value is None and self.optional or isinstance(value, bool) and self.kind is bool
+        return isinstance(value, (int, float) if self.kind is float else self.kind)
+
+
+def field_types(cls: type) -> dict[str, FieldType]:
+    """Every field's FieldType, read from its annotation: bool, int, float, str, or one of them | None.
+    Any other annotation is refused in one line (the command line could not set it)."""
+    hints = typing.get_type_hints(cls)
+    out = {}
+    for f in dataclasses.fields(cls):
+        hint = hints[f.name]
+        parts = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
+        kinds = [k for k in parts if k is not type(None)]
+        if len(kinds) != 1 or kinds[0] not in (bool, int, float, str):
+            raise UsageError(f"hyperparameter {f.name} is annotated {hint}, which the command line cannot set: "
+                             "use bool, int, float, str, or one of them | None")
+        out[f.name] = FieldType(kinds[0], optional=len(parts) > len(kinds))
+    return out
+
+
+def flag_text(value: object) -> str:
+    """A value as the command line writes it: true/false, none, the rest as is."""
+    return str(value).lower() if isinstance(value, bool) or value is None else str(value)
+
+
+def as_flags(values: dict[str, object]) -> list[str]:
+    """Values as the command-line arguments that set them."""
+    return [f"--{name}={flag_text(value)}" for name, value in values.items()]
+
+
+def parse_overrides(cls: type, argv: list[str]) -> dict[str, object]:
+    """The values the command line sets, `--name=value` each (a bare --name sets a switch true); unknown names
+    and values of the wrong kind are refused."""
+    kinds = field_types(cls)
+    overrides: dict[str, object] = {}
+    for arg in argv:
+        name, sep, text = arg.removeprefix("--").partition("=")
+        if not arg.startswith("--") or name not in kinds:
+            raise UsageError(f"unknown argument {arg!r}; valid: " + " ".join(f"--{n}=" for n in kinds))
+        if not sep:
+            if kinds[name].kind is not bool:
+                raise UsageError(f"--{name} needs a value: --{name}=<{kinds[name]}>")
+            text = "true"
+        try:
+            overrides[name] = kinds[name].parse(text)
+        except ValueError:
+            raise UsageError(f"bad value {text!r} for --{name}: expected {kinds[name]}") from None
+    return overrides
+
+
+def help_lines(values: object, others: dict[str, object], same: tuple[str, ...] = ()) -> list[str]:
+    """--help's flag lines: every field of the dataclass instance `values` in its group, as --name=value, then
+    [other: x] for each of `others` (label: another instance) whose value differs (fields in `same` never
+    show one), then the field's doc."""
+    lines = []
+    for f in dataclasses.fields(values):
+        if f.metadata.get("group"):
+            lines += ["", f.metadata["group"] + ":"]
+        value = getattr(values, f.name)
+        differ = ", ".join(f"{label}: {flag_text(getattr(other, f.name))}" for label, other in others.items()
+                           if getattr(other, f.name) != value and f.name not in same)
+        doc = f.metadata.get("doc", "")
+        lines.append(f"  --{f.name}={flag_text(value)}" + (f" [{differ}]" if differ else "") + (f"  {doc}" if doc else ""))
+    return lines
+
+
+# ----------------------------------------------------------------------------- what each flag accepts
+
+@dataclass(frozen=True)
+class Rule:
+    """What one flag accepts: a predicate and the valid range as the error message states it."""
+    ok: typing.Callable[[object], bool]
+    valid: str
+
+
+def integer(lo: int, hi: int | None = None) -> Rule:
+    return Rule(lambda v: lo <= v and (hi is None or v <= hi),
+                f"an integer at least {lo}" if hi is None else f"an integer in [{lo}, {hi}]")
+
+
+def number(lo: float, hi: float = math.inf, hi_open: bool = False, lo_open: bool = False) -> Rule:
+    """A finite float in the interval (NaN and inf are refused everywhere: they only ever mean a typo)."""
+    def ok(v):
+        return math.isfinite(v) and (v > lo if lo_open else v >= lo) and (v < hi if hi_open else v <= hi)
+    left, right = "(" if lo_open else "[", ")" if hi_open or hi == math.inf else "]"
+    return Rule(ok, f"a finite number in {left}{lo:g}, {'inf' if hi == math.inf else f'{hi:g}'}{right}")
+
+
+def one_of(*allowed: str) -> Rule:
+    return Rule(lambda v: v in allowed, "one of " + ", ".join(allowed))
+
+
+ANY_BOOL = Rule(lambda v: isinstance(v, bool), "true or false")  # a checkpoint's JSON could hold anything
+ANY_TEXT = Rule(lambda v: True, "any text")
+NON_EMPTY = Rule(lambda v: v != "", "a non-empty path or glob")
+# A run id names a log file and a folder directly under --log_dir, so it must not be a path.
+PLAIN_NAME = Rule(lambda v: v == "" or (v not in (".", "..") and v[0] != "." and
+                                        all(c.isascii() and (c.isalnum() or c in "._+=-") for c in v)),
+                  "a plain name of letters, digits and ._+=- (no path separators, no leading dot), "
+                  "or empty for a fresh name")
+UNIT = number(0.0, 1.0)
+BETA = number(0.0, 1.0, hi_open=True)  # a decay of 1 never forgets; above 1 it diverges
+OPTIONAL_BETA = Rule(lambda v: v is None or BETA.ok(v), BETA.valid + ", or none")
+LR = number(0.0)

@@ -1,0 +1,82 @@
+#!/usr/bin/env python3
+"""Rebuild a run from its log alone: the trainer's sources it embeds, and the command that trains it again.
+
+Usage:
+    python records/rebuild_run.py LOG OUT_DIR
+
+A log that train_gpt.py wrote embeds its own source and that of every sibling module it imported
+(checkpoints.py, runlog.py, ...), then every resolved hyperparameter. This writes each source into OUT_DIR
+under its file name and prints the command line that reruns the run with them: `python OUT_DIR/train_gpt.py`
+and every hyperparameter of the log's first launch as --name=value. Run it from the checkout that holds the
+data (relative shard globs are read from the working directory), with another --log_dir or --run_id appended
+(the last value of a flag wins). OUT_DIR must not hold any of the files already. No torch needed.
+"""
+
+from __future__ import annotations
+
+import shlex
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from records.read_records import HPARAM_RE, log_sources  # noqa: E402  (the run log's one reader)
+from tools.cli import OneLineArgumentParser, UsageError, run_cli  # noqa: E402
+
+
+def logged_hyperparameters(lines: list[str]) -> dict[str, str]:
+    """The first launch's 'hyperparameters:' block as name -> value text (derived lines left out)."""
+    start = lines.index("hyperparameters:") if "hyperparameters:" in lines else None
+    if start is None:
+        raise UsageError("the log has no hyperparameters block: it is cut short, or not a train_gpt.py log")
+    values = {}
+    for line in lines[start + 1:]:
+        m = HPARAM_RE.match(line)
+        if not m:
+            break
+        if not m.group(1).startswith("("):
+            values[m.group(1)] = m.group(2)
+    return values
+
+
+def as_flag(name: str, text: str) -> str:
+    """A logged value (Python's str() of it) as the trainer's command line writes it."""
+    return f"--{name}={text.lower() if text in ('True', 'False', 'None') else text}"
+
+
+def rebuild(log: Path, out_dir: Path) -> list[str]:
+    """Writes the log's sources into out_dir; returns the command that reruns the run."""
+    try:
+        text = log.read_text(encoding="utf-8")
+    except OSError as e:
+        raise UsageError(f"cannot read {log} ({e.strerror or e})") from None
+    sources, rest = log_sources(text)
+    if "train_gpt.py" not in sources:
+        raise UsageError(f"{log} embeds no train_gpt.py source: not a run log of this project's trainer")
+    values = logged_hyperparameters(rest)
+    taken = [name for name in sources if (out_dir / name).exists()]
+    if taken:
+        raise UsageError(f"{out_dir} already holds {taken[0]}; pass an empty or new folder")
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        for name, source in sources.items():
+            (out_dir / name).write_text(source, encoding="utf-8")
+    except OSError as e:
+        raise UsageError(f"cannot write into {out_dir} ({e.strerror or e}); pass a folder you can write") from None
+    return [sys.executable, str(out_dir / "train_gpt.py"), *(as_flag(n, v) for n, v in values.items())]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = OneLineArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("log", type=Path, help="a <run_id>.txt that train_gpt.py wrote")
+    p.add_argument("out_dir", type=Path, help="where to write the sources (made if missing)")
+    opts = p.parse_args(argv)
+    command = rebuild(opts.log, opts.out_dir)
+    print(f"wrote {', '.join(sorted(p.name for p in opts.out_dir.iterdir()))} into {opts.out_dir}; rerun with:")
+    print(shlex.join(command))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(run_cli(main))
