@@ -63,22 +63,29 @@ class TrainingState:
     loader: dict
     tensors: dict[str, Tensor | FlatShard]
     segments: list[dict] = dataclasses.field(default_factory=list)  # the run's history: see segment()
+    target: dict | None = None  # where the run first reached its target loss, once it has
 
 
-SEGMENT_KEYS = ("run_id", "start_step", "end_step", "tokens", "train_time_ms")  # one launch's share of a run
+# One launch's share of a run; a checkpoint older than the last two keys records none of them.
+SEGMENT_KEYS = ("run_id", "start_step", "end_step", "tokens", "train_time_ms", "energy_j", "wall_time_s")
 
 
-def segment(run_id: str, start_step: int, end_step: int, tokens: int | None, train_time_ms: float | None) -> dict:
+def segment(run_id: str, start_step: int, end_step: int, tokens: int | None, train_time_ms: float | None,
+            energy_j: dict | None = None, wall_time_s: float | None = None) -> dict:
     """One launch's part of a run (a resumed run has several): steps start_step+1 .. end_step, the tokens they
-    trained and their training time; None where a checkpoint older than this record did not say."""
-    return dict(zip(SEGMENT_KEYS, (run_id, start_step, end_step, tokens, train_time_ms)))
+    trained, their training time, the joules of each energy phase summed over ranks (runlog.ENERGY_PHASES; None
+    where nothing measured) and the launch's wall time; None where a checkpoint older than this record did not
+    say."""
+    return dict(zip(SEGMENT_KEYS, (run_id, start_step, end_step, tokens, train_time_ms, energy_j, wall_time_s)))
 
 
 def recorded_segments(meta: dict) -> list[dict]:
-    """The segments a checkpoint records; one of unknown tokens and time for a checkpoint that records none."""
+    """The segments a checkpoint records (keys it lacks as None); one of unknown tokens, time and energy for a
+    checkpoint that records none."""
     found = meta.get("segments")
-    if isinstance(found, list) and all(isinstance(x, dict) and set(x) == set(SEGMENT_KEYS) for x in found):
-        return found
+    required = set(SEGMENT_KEYS[:5])
+    if isinstance(found, list) and all(isinstance(x, dict) and required <= set(x) <= set(SEGMENT_KEYS) for x in found):
+        return [{key: x.get(key) for key in SEGMENT_KEYS} for x in found]
     return [segment(str(meta.get("run_id")), 0, meta["step"], None, None)]
 
 
@@ -225,7 +232,8 @@ class Checkpoints:
             files = {name: rec for per_rank in gather_objects(records, place) for name, rec in per_rank.items()}
             if place.is_master:
                 meta = {"format": CHECKPOINT_FORMAT, **self.record, "step": state.step, "loader": state.loader,
-                        "segments": state.segments, "world_size": place.world_size, "files": files}
+                        "segments": state.segments, "target": state.target, "world_size": place.world_size,
+                        "files": files}
                 try:
                     (staging / CHECKPOINT_META).write_text(json.dumps(meta, indent=1))
                     shutil.rmtree(final, ignore_errors=True)  # an unfinished one (no checkpoint.json) only
@@ -260,8 +268,9 @@ class Checkpoints:
                              "resume from an earlier checkpoint") from None
         self.resumed_from = path
         set_aside_newer_checkpoints(self.folder.checkpoints, path, self.place, self.log)
+        target = meta.get("target")
         return TrainingState(step=meta["step"], loader=meta["loader"], tensors=state.tensors,
-                             segments=recorded_segments(meta))
+                             segments=recorded_segments(meta), target=target if isinstance(target, dict) else None)
 
 
 def lock_run_log(log: RunLog, run_id: str) -> None:
@@ -502,3 +511,34 @@ def claim_run_folder(log_dir: Path, run_id: str, preset: str, resume: str, place
     if decided[1]:
         raise UsageError(decided[1])
     return RunFolder(log_dir, decided[0])
+
+
+def training_state(model, opt, stream, step: int, segments: list[dict] | None = None) -> TrainingState:
+    """What a checkpoint keeps of a run at a step (train_gpt's GPT, Optimizers and TokenStream): the live tensors
+    (aliased, not copied) and the data position."""
+    tensors = {f"model/{name}": t for name, t in model.state_dict().items()}
+    return TrainingState(step=step, loader=stream.state(), tensors={**tensors, **opt.state_tensors()},
+                         segments=segments or [])
+
+
+class FiniteWatch:
+    """Whether any training loss was non-finite, accumulated on the device (no host sync per step),
+    so that a diverged state is never checkpointed and never rotates a good checkpoint away."""
+
+    def __init__(self, device: torch.device, start_step: int, resumed_from: Path | None):
+        self.bad = torch.zeros((), dtype=torch.bool, device=device)
+        self.good_step, self.newest_good = start_step, resumed_from
+
+    def observe(self, loss: Tensor) -> None:
+        self.bad |= ~torch.isfinite(loss)
+
+    def check(self, model: torch.nn.Module, place, step: int) -> None:
+        """Stops the run, on every rank, once a loss so far or a weight is not finite (one reduction, one sync)."""
+        flags = torch.stack([self.bad, *(~torch.isfinite(p).all() for p in model.parameters())])
+        if not ranks_agree(not bool(flags.any()), place):
+            raise RunFailed(f"the loss or the weights became non-finite between step {self.good_step} and step "
+                            f"{step}; no checkpoint written, {self.hint()}: resume from it with lower learning rates")
+        self.good_step = step
+
+    def hint(self) -> str:
+        return f"the newest good checkpoint is {self.newest_good or '(none)'}"

@@ -13,6 +13,7 @@ import hashlib
 import json
 import os
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,6 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from flags import UsageError
+from runlog import progress_bar, progress_line
 
 
 def gpt2_tokenizer():
@@ -228,11 +230,13 @@ def candidate_packs(rows: list[Candidate], pack_tokens: int, block_size: int):
 
 
 @torch.no_grad()
-def ending_losses(model, rows: list[Candidate], window: Tensor, pack_tokens: int) -> list[Tensor]:
-    """Per-token losses (fp32) of each candidate's ending, in order."""
+def ending_losses(model, rows: list[Candidate], window: Tensor, pack_tokens: int,
+                  show_progress: bool = False) -> list[Tensor]:
+    """Per-token losses (fp32) of each candidate's ending, in order (a progress bar on a terminal if asked)."""
     device = model.embed.weight.device
     out: list[Tensor | None] = [None] * len(rows)
-    for layout, used in candidate_packs(rows, pack_tokens, model.block_size):
+    packs = progress_bar(candidate_packs(rows, pack_tokens, model.block_size), "HellaSwag", show_progress, "pack")
+    for layout, used in packs:
         sequence = torch.full((used,), model.eot_token, dtype=torch.int64)
         for index, start in layout:
             sequence[start:start + len(rows[index].tokens)] = torch.tensor(rows[index].tokens)
@@ -262,11 +266,11 @@ class HellaSwagScore:
 
 
 def hellaswag_score(model, items: list[tuple[list[Candidate], int]], window_blocks: int,
-                    pack_tokens: int = HELLASWAG_PACK_TOKENS) -> HellaSwagScore:
+                    pack_tokens: int = HELLASWAG_PACK_TOKENS, show_progress: bool = False) -> HellaSwagScore:
     """acc and acc_norm over tokenized examples (ties go to the first ending)."""
     pack_tokens = min(pack_tokens, model.context_len)
     window = model.window(window_blocks)
-    losses = ending_losses(model, [row for rows, _ in items for row in rows], window, pack_tokens)
+    losses = ending_losses(model, [row for rows, _ in items for row in rows], window, pack_tokens, show_progress)
     predictions, correct, correct_norm = [], 0, 0
     for i, (_, label) in enumerate(items):
         mine = losses[4 * i:4 * i + 4]
@@ -283,7 +287,7 @@ def hellaswag_accuracy(model, items: list, window_blocks: int, place) -> tuple[f
     """(acc, acc_norm, examples) over every rank's share (place: train_gpt's Place), the counts summed like the
     validation losses."""
     model.eval()
-    result = hellaswag_score(model, items, window_blocks)
+    result = hellaswag_score(model, items, window_blocks, show_progress=place.is_master)
     counts = torch.tensor([result.correct, result.correct_norm, result.examples], dtype=torch.float64,
                           device=place.device)
     if place.world_size > 1:
@@ -291,3 +295,36 @@ def hellaswag_accuracy(model, items: list, window_blocks: int, place) -> tuple[f
     model.train()
     correct, correct_norm, n = counts.tolist()
     return correct / n, correct_norm / n, int(n)
+
+
+def score_during_training(model, items: list, window_blocks: int, place, step: int, total: int) -> tuple[list, str]:
+    """--hellaswag_every at a step: the summary curve's point [step, acc, acc_norm, examples] and the run log's line
+    (place: train_gpt's Place; every rank scores its share)."""
+    started = time.perf_counter()
+    acc, acc_norm, n = hellaswag_accuracy(model, items, window_blocks, place)
+    return [step, acc, acc_norm, n], progress_line(step, total, hellaswag_acc=acc, hellaswag_acc_norm=acc_norm,
+                                                   hellaswag_examples=n,
+                                                   hellaswag_time=1000 * (time.perf_counter() - started))
+
+
+def prepare_downstream(sample_at_end: int, hellaswag_every: int, hellaswag_data: str, place,
+                       context_len: int) -> list | None:
+    """What --hellaswag_every and --sample_at_end need (the tokenizer, the HellaSwag file), loaded before training
+    so that a missing piece stops the run at start-up. Returns this rank's share of the tokenized HellaSwag
+    examples (None without --hellaswag_every)."""
+    if sample_at_end > 0:
+        gpt2_tokenizer()
+    if hellaswag_every <= 0:
+        return None
+    items, _ = load_hellaswag(hellaswag_data, min(HELLASWAG_PACK_TOKENS, context_len))
+    return items[place.rank::place.world_size]
+
+
+def log_samples(model, n: int, window_blocks: int, seed: int, log) -> list[str]:
+    """--sample_at_end: n short samples from the final model, one JSON-quoted line each in the run log."""
+    model.eval()
+    texts = end_of_run_samples(model, n, window_blocks, seed)
+    model.train()
+    for i, text in enumerate(texts):
+        log.write(f"sample {i + 1}/{len(texts)}: {json.dumps(text)}")
+    return texts

@@ -29,36 +29,25 @@ from flags import RunFailed, UsageError
 REPO_DIR = Path(__file__).resolve().parent
 
 
+def _named_for_the_run(ending: str) -> property:
+    """A RunFolder path: the run id with this ending, in the log folder."""
+    return property(lambda folder: folder.log_dir / f"{folder.run_id}{ending}")
+
+
 @dataclass(frozen=True)
 class RunFolder:
-    """Where a run's files live under --log_dir: <run_id>.txt (its log), <run_id>.json (its summary) and the
-    folder <run_id>/ (its checkpoints)."""
+    """Where a run's files live under --log_dir: <run_id>.txt (its log), <run_id>.json (its summary),
+    <run_id>.metrics.jsonl (a line per step and validation), <run_id>.md (its report card), <run_id>.tensorboard
+    (with --tensorboard) and the folder <run_id>/ (its checkpoints)."""
     log_dir: Path
     run_id: str
 
-    @property
-    def log(self) -> Path:
-        return self.log_dir / f"{self.run_id}.txt"
-
-    @property
-    def summary(self) -> Path:
-        return self.log_dir / f"{self.run_id}.json"
-
-    @property
-    def checkpoints(self) -> Path:
-        return self.log_dir / self.run_id
-
-    @property
-    def metrics(self) -> Path:
-        return self.log_dir / f"{self.run_id}.metrics.jsonl"
-
-    @property
-    def report(self) -> Path:
-        return self.log_dir / f"{self.run_id}.md"
-
-    @property
-    def tensorboard(self) -> Path:
-        return self.log_dir / f"{self.run_id}.tensorboard"
+    log = _named_for_the_run(".txt")
+    summary = _named_for_the_run(".json")
+    metrics = _named_for_the_run(".metrics.jsonl")
+    report = _named_for_the_run(".md")
+    tensorboard = _named_for_the_run(".tensorboard")
+    checkpoints = _named_for_the_run("")
 
 
 class RunLog:
@@ -96,13 +85,14 @@ PROGRESS_FIELDS = {  # name: (decimals, unit)
     "val_loss": (4, ""), "train_loss": (4, ""), "train_time": (0, "ms"), "step_avg": (2, "ms"),
     "energy": (0, "J"), "hellaswag_acc": (4, ""), "hellaswag_acc_norm": (4, ""), "hellaswag_examples": (0, ""),
     "hellaswag_time": (0, "ms"), "steps": (0, ""), "tokens": (0, ""), "total_train_time": (0, "ms"),
-    "resumes": (0, ""),
+    "resumes": (0, ""), "target_val_loss": (4, ""),
 }
 
 
-def progress_line(step: int | None, total: int, **values: float) -> str:
-    """'step:S/N f:v ...' for a step, or 'final: f:v ...' when step is None; fields in the order given."""
-    head = "final:" if step is None else f"step:{step}/{total}"
+def progress_line(step: int | None, total: int, head: str = "final:", **values: float) -> str:
+    """'step:S/N f:v ...' for a step, or, when step is None, 'final: f:v ...' (or another head: 'target:' marks
+    where the run first reached its target loss); fields in the order given."""
+    head = head if step is None else f"step:{step}/{total}"
     parts = []
     for name, value in values.items():
         decimals, unit = PROGRESS_FIELDS[name]
@@ -352,6 +342,32 @@ def peak_memory_mib(rt) -> tuple[float, str]:  # rt: train_gpt's Place
     return rss, f"peak memory: {rss:.0f} MiB (rank 0 process max RSS; no device memory on CPU)"
 
 
+def write_header(log: RunLog, sources: dict[str, str], hyperparameters: dict, derived: dict[str, str],
+                 environment: list[str]) -> None:
+    """The run log's header, not echoed: each source between '==== NAME ====' and '==== end of NAME ====' (records/
+    read_records.py's log_sources reads them back), the hyperparameters (then the derived values), the environment."""
+    for name, text in sources.items():
+        log.write(f"==== {name} ====", echo=False)
+        log.write(text, echo=False)
+        log.write(f"==== end of {name} ====", echo=False)
+    log.write("hyperparameters:", echo=False)
+    for name, value in hyperparameters.items():
+        log.write(f"  {name} = {value}", echo=False)
+    for name, value in derived.items():
+        log.write(f"  (derived) {name} = {value}", echo=False)
+    for line in environment:
+        log.write(line, echo=False)
+
+
+def write_report(path: Path, text: str, log: RunLog) -> None:
+    """The run's report card next to its log, written atomically."""
+    try:
+        path.with_suffix(".md.part").write_text(text)
+        os.replace(path.with_suffix(".md.part"), path)
+    except OSError as e:
+        raise RunFailed(f"cannot write {path}: {e.strerror}; the run log {log.path} and summary are complete") from None
+
+
 def write_summary(path: Path, summary: dict, log: RunLog) -> None:
     """The machine-readable result next to the log, written atomically."""
     try:
@@ -381,10 +397,10 @@ def sources_sha256(sources: dict[str, str]) -> str:
 
 # ----------------------------------------------------------------------------- what people look at
 
-def progress_bar(total: int | None, description: str, show: bool = True, unit: str = "step"):
-    """A tqdm bar on stderr, shown only on a terminal (and where show: rank 0), so that CI logs and run logs stay
-    clean; elsewhere it counts silently."""
-    return tqdm(total=total, desc=description, unit=unit, file=sys.stderr, dynamic_ncols=True, leave=False,
+def progress_bar(iterable, description: str, show: bool = True, unit: str = "step"):
+    """The iterable behind a tqdm bar on stderr, shown only on a terminal (and where show: rank 0), so that CI logs
+    and run logs stay clean; elsewhere it is the iterable as it is."""
+    return tqdm(iterable, desc=description, unit=unit, file=sys.stderr, dynamic_ncols=True, leave=False,
                 disable=None if show else True)
 
 
@@ -478,7 +494,7 @@ def report_card(summary: dict, usd_per_gpu_hour: float) -> str:
                            f"{summary['tokens']:,} tokens"),
         ("target", f"val loss <= {target.get('val_loss')}: " + (
             f"reached at step {target['step']}, {target['train_time_ms'] / 1000:.1f} s of training, "
-            f"{target['tokens']:,} tokens, {number(target.get('energy_j'), '.0f', ' J')}"
+            f"{target['tokens']:,} tokens, energy {number(target.get('energy_j'), '.0f', ' J')}"
             if target.get("step") is not None else "not reached")),
         ("training time", f"{train_s:.1f} s over {summary.get('resumes', 0) + 1} launch(es)"
                           + (f"; {wall_s:.1f} s wall clock with start-up, compile and validation" if wall_s else "")),

@@ -3,8 +3,10 @@
 Trains a GPT-2-small-class model on pre-tokenized FineWeb shards to <= 3.28
 validation loss, following the 2025-01-26 NanoGPT speedrun recipe: Muon for
 hidden matrices, Adam for the rest, value embeddings, U-net skips, long/short
-sliding-window attention over documents, an FP8 LM head and a reduce-scatter
-gradient loop.
+sliding-window attention over documents and an FP8 LM head. Gradients reach
+the optimizers through a reduce-scatter loop (each rank updates its share and
+the updates are all-gathered), this trainer's own; the record all-reduces.
+--preset=medium is track 2: a GPT-2-medium-class model to <= 2.92.
 
     torchrun --standalone --nproc_per_node=8 train_gpt.py          # speedrun preset on GPUs
     python train_gpt.py                                            # cpu preset, bundled sample
@@ -15,32 +17,26 @@ gradient loop.
 records' techniques, each declared once in TECHNIQUES and each its own hyperparameter, so that any one can be
 switched off.
 
-Sections, in order: configuration, recipe v2's techniques, validation, distributed setup, data, model, optimizers,
-schedules, run log and accounting, checkpoints, samples and HellaSwag, training loop.
+Sections, in order: configuration, the techniques (recipe v2's and track 2's), validation, distributed setup and
+device choices, data, model, optimizers, schedules, the training loop, the way out. What is not the speedrun lives
+beside this file, which imports it and embeds its source in every run log: flags.py (the command line),
+runlog.py (the run's records), checkpoints.py, evaluation.py (samples, HellaSwag) and lifecycle.py (torch
+releases, signals, the end of the process group).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import fcntl
-import gc
 import glob
-import hashlib
-import json
 import math
 import os
-import pickle
-import shutil
+import platform
 import signal
-import subprocess
 import sys
 import threading
 import time
-import traceback
 import typing
-import uuid
-import warnings
 from dataclasses import dataclass, fields
 from datetime import timedelta
 from fractions import Fraction
@@ -70,20 +66,19 @@ import numpy as np  # noqa: E402
 os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-import torch.distributed.checkpoint as dcp  # noqa: E402
 import torch.nn as nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch import Tensor  # noqa: E402
-from torch.distributed.checkpoint.api import CheckpointException  # noqa: E402
-from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
-from torch.distributed.tensor import DTensor, Shard  # noqa: E402
 
-from checkpoints import (Checkpoints, FlatShard, TrainingState, check_same_tensors, choose_checkpoint,  # noqa: E402
-                         claim_run_folder, clean_stale_staging, local_part, lock_run_log, ranks_agree,
-                         read_checkpoint_meta, segment)
-from runlog import (Clock, EnergyMeter, RecompileWatch, RunFolder, RunLog, device_name, energy_line,  # noqa: E402
-                    environment_lines, git_commit, make_profiler, peak_memory_mib, progress_line, sources_sha256,
-                    trainer_sources as runlog_sources, write_summary)
+from lifecycle import (TORCH_API, Interrupted, StopSignal, check_torch_install, device_notes,  # noqa: E402
+                       end_distributed, is_collective_failure, keep_freed_host_memory)
+from checkpoints import (Checkpoints, FiniteWatch, FlatShard, check_same_tensors, choose_checkpoint,  # noqa: E402
+                         claim_run_folder, clean_stale_staging, local_part, lock_run_log, read_checkpoint_meta, segment,
+                         training_state)
+from runlog import (ENERGY_PHASES, Clock, EnergyMeter, Metrics, RecompileWatch, RunFolder, RunLog,  # noqa: E402
+                    device_name, energy_line, environment_lines, git_commit, git_dirty, make_profiler, peak_memory_mib,
+                    peak_tflops, progress_bar, progress_line, report_card, sources_sha256,
+                    trainer_sources, write_header, write_report, write_summary)
 from flags import (ANY_BOOL, ANY_TEXT, BETA, EXIT_OK, EXIT_PEER_LOST, EXIT_RUN_FAILED, EXIT_USAGE, LR,  # noqa: E402,F401
                    NON_EMPTY, OPTIONAL_BETA, PLAIN_NAME, UNIT, Rule, RunFailed, UsageError, as_flags, field_types, flag,
                    flag_text, help_lines, integer, number, one_of, parse_overrides)
@@ -99,7 +94,8 @@ BLOCK_SIZE = 128  # attention mask granularity and window unit, in tokens
 @dataclass
 class Hyperparameters:
     """Every knob of a run. The defaults are the `speedrun` preset: the 2025-01-26 record of the NanoGPT
-    speedrun ("R" below: records/012625_BatchSize of modded-nanogpt), whose values tests/test_config.py pins."""
+    speedrun ("R" below: records/track_1_short/2025-01-26_BatchSize of modded-nanogpt), whose values
+    tests/test_config.py pins."""
     preset: str = flag("auto", "speedrun | cpu; auto picks speedrun when CUDA is present, cpu otherwise",
                                group="general")
     recipe: str = flag("reference", "reference (R, bit for bit) | v2: the later records' techniques (TECHNIQUES)")
@@ -123,6 +119,8 @@ class Hyperparameters:
     lr_final_frac: float = flag(0.1, "R: ... down to this fraction of the base lr")
     val_every: int = flag(125, "R")
     window_final_tokens: int = flag(1728, "R: window grows linearly to next_multiple(1728 * step / 1770, 128) tokens")
+    window_stages: str = flag("", "track 2, 2025-12-31_BulkSmallTrackTransfer: the long window in blocks at each of "
+                                  "equal stages of training ('3,7,11,...,23'); empty: the linear growth above")
     sliding_window: bool = flag(True, "False: full causal attention within documents (ablation)")
     vocab_size: int = flag(50257, "GPT-2's BPE vocabulary (the head pads it to 50304, a multiple of 128)",
                                   group="model (R: 12 x 768, 6 heads of 128; GPT-2 vocabulary, head padded to 50304)")
@@ -156,11 +154,20 @@ class Hyperparameters:
                                    "the previous token")
     paired_heads: bool = flag(False, "2026-01-07_PairedHeadAttention: head pairs attend as one head over interleaved"
                                      " positions")
+    value_embed_tables: int = flag(3, "R: three value-embedding tables, read by the first and the last three layers "
+                                      "(a shallower model: one per encoder layer); track 2, "
+                                      "2025-08-28_Medium_NewValemb: five")
+    attention_free_layer: bool = flag(True, "R: the layer after the middle (7 of 12) has an MLP and no attention; "
+                                            "track 2, 2025-12-31_BulkSmallTrackTransfer: every layer attends")
+    short_window_cap: int = flag(0, "track 2, 2025-12-31_BulkSmallTrackTransfer: the short window is at most this "
+                                    "many blocks (11); 0: half the long window, as R")
     logit_offset: float = flag(0.0, "2025-12-26_LogitRescale: softcap * sigmoid((logits + offset) / "
                                     "logit_temperature)")
     logit_temperature: float = flag(7.5, "R: 30 * sigmoid(logits / 7.5)")
     mtp_tokens: int = flag(1, "2025-12-22_MultiTokenPrediction: the training loss also predicts the next N-1 tokens "
                               "after the next; 1: off")
+    mtp_frac: float = flag(1.0, "same record: the fraction of training its phases take (track 2, "
+                                "2025-12-31_BulkSmallTrackTransfer: 0.25), next-token only after it")
     muon: bool = flag(True, "R: Muon for hidden matrices; False: Adam for them too (ablation)", group="optimizers")
     muon_lr: float = flag(0.05, "R")
     muon_momentum: float = flag(0.95, "R: Nesterov momentum, warmed up from muon_momentum_start ...")
@@ -196,6 +203,13 @@ class Hyperparameters:
     run_id: str = flag("", "default: time, preset and a random suffix")
     log_train_loss: bool = flag(False, "a host sync per step; off for the timed speedrun")
     profile_steps: int = flag(0, "record this many steps with torch.profiler (Chrome trace per rank)")
+    target_val_loss: float = flag(3.28, "R's rule: a record is the validation loss reached; the log, summary, metrics "
+                                        "and report card mark the step, time, tokens and energy at which a "
+                                        "validation first reaches this")
+    stop_at_target: bool = flag(False, "end the run at the first validation at or below target_val_loss (off: the "
+                                       "records score the fixed step count)")
+    tensorboard: bool = flag(False, "also write the metrics as TensorBoard scalars (needs pip install tensorboard)")
+    usd_per_gpu_hour: float = flag(0.0, "price of a GPU-hour for the report card's cost line; 0: not priced")
     hellaswag_every: int = flag(0, "HellaSwag acc/acc_norm every N steps and at the end, all ranks' shares summed",
                                    group="downstream checks (tools/): off by default, outside the timed region")
     hellaswag_data: str = flag("", "a local HellaSwag JSONL; empty: the pinned validation file, downloaded once")
@@ -226,6 +240,30 @@ PRESETS = {
         head_dim=64,
         warmup_steps=1,
         log_train_loss=True,
+        target_val_loss=5.7,  # the committed cpu record reaches it at step 40 of 60 (5.677)
+    ),
+    # Track 2, GPT-2-medium-class to 2.92: the record of modded-nanogpt PR #188 (2025-12-31, records/track_2_medium/
+    # 2025-12-31_BulkSmallTrackTransfer; "M" below: its train_gpt_medium.py at d7011639), as far as this trainer's
+    # techniques reach (README, "Presets": what it leaves out). Every lr is M's at its final batch: M's base lr
+    # times its peak multiplier 2.0 (get_lr), the batch stages scaling down from there.
+    "medium": dict(
+        n_layer=16, model_dim=1024, n_head=8, head_dim=128,  # M L1688-1695
+        value_embed_tables=5, attention_free_layer=False,  # M: tables at layers 0-4 and 11-15; all 16 layers attend
+        batch_tokens=524288, batch_schedule="1/4,1/2,3/4,1,1,1,1,1,1,1,1,1",  # M L1617-1620: 12 equal stages
+        batch_lr_exponent=0.5,  # M's stage lrs 0.5/0.76/0.865 of the last (get_lr); 0.5 gives 0.5/0.707/0.866
+        seq_len=16 * 1024,  # the 131K-token first stage is 8 sequences: whole on 1, 2, 4 or 8 GPUs
+        num_iterations=4740, cooldown_frac=0.7, lr_final_frac=0.05,  # M: 4700 + 40 steps; lr 2.0 -> 0.1 (L1420-1435)
+        val_every=250,  # M L1632
+        window_stages="3,7,11,13,15,17,19,21,23,23,23,23", short_window_cap=11,  # M L1636-1638, get_ws
+        bos_align=True, doc_len_cap=4096,  # M L1622: documents cut at 4,096 tokens
+        muon_lr=0.03, polar_express=True, normuon=True, normuon_beta2=0.95,  # M L1486: NorMuon lr 0.015 x 2.0
+        cautious_wd=True, muon_cautious_wd=1.2, adam_cautious_wd=0.005,  # M L1484-1486
+        head_lr=0.008, embed_lr=0.6, scalar_lr=0.08, adam_eps=1e-8,  # M: 0.004 x 2.0; value embeds x 75; scalars x 5
+        scalar_adam_beta1=0.9, scalar_adam_beta2=0.99,  # M L1485
+        smear=True, attn_gate=True, ve_gates=True, skip_gates=True, backout=True, key_offset=True,
+        logit_softcap=23.0, logit_offset=5.0, mtp_tokens=3, mtp_frac=0.25,  # M L1203; MTP in the first quarter
+        fp8_head=False, coordinate_descent_tuning=False,  # M L845 (FP8 head off), L28 (commented out)
+        target_val_loss=2.92,  # the track's target
     ),
 }
 
@@ -310,7 +348,7 @@ def stage_fractions(text: str) -> list[Fraction] | None:
 
 
 # -----------------------------------------------------------------------------
-# Recipe v2: the later records' techniques, each declared once
+# The techniques: recipe v2's (the later short-track records) and track 2's, each declared once
 
 @dataclass(frozen=True)
 class Refusal:
@@ -367,6 +405,25 @@ def needs_muon(flag: str) -> Refusal:
                              f"--muon=true or --{flag}=false")
 
 
+NOT_IN_TRACK_2 = "not in the track-2 record (modded-nanogpt PR #188), whose recipe the medium preset is; one flag away"
+UNIT_OPEN = number(0.0, 1.0, lo_open=True)
+
+
+def only_track_2(what: str) -> dict[str, str]:
+    """The short-track presets' reason to leave out a technique of track 2's own layout."""
+    return {preset: f"a track-2 (medium) technique: the short track's records keep {what}"
+            for preset in PRESETS if preset != "medium"}
+
+
+def window_stage_blocks(text: str) -> list[int] | None:
+    """--window_stages as block counts; None if the text is not such a list."""
+    try:
+        blocks = [int(part) for part in text.split(",")]
+    except ValueError:
+        return None
+    return blocks if all(b >= 1 for b in blocks) else None
+
+
 # Gate lrs are fractions of scalar_lr (0.04 = 5 x the record's Adam lr 0.008): 2025-12-29_VeSkipGates has the
 # smear gate at 0.01 x and the skip gate at 0.05 x that Adam lr, 2026-05-20_BigramsSignTrick the others at 1 x.
 TECHNIQUES: tuple[Technique, ...] = (
@@ -378,11 +435,11 @@ TECHNIQUES: tuple[Technique, ...] = (
         # Its lrs are set for its first batch and scaled up by (batch / 131072) ** 0.6: Muon 0.023 -> 0.0444 at
         # the final batch, ours' base; its cooldown floor is 0.1 of the first stage's lr.
         {"speedrun": dict(batch_schedule="1/3,2/3,1", cooldown_frac=0.55, muon_lr=0.0444, lr_final_frac=0.0518),
-         "cpu": dict(batch_schedule="1/3,2/3,1", cooldown_frac=0.55)}),
+         "cpu": dict(batch_schedule="1/3,2/3,1", cooldown_frac=0.55), "medium": {}}),
     Technique(  # sequences start at a document; documents are cut at the record's max_seq_len
         "doc_align", ("2025-07-12_BosAlign", "2025-09-03_FA3"), "data",
         {"bos_align": ANY_BOOL, "doc_len_cap": integer(0)},
-        {"speedrun": dict(bos_align=True, doc_len_cap=2048)},
+        {"speedrun": dict(bos_align=True, doc_len_cap=2048), "medium": {}},
         left_out={"cpu": "the bundled sample's documents are ~7.8K tokens long (median), so aligned sequences "
                          "would drop most of its text"},
         refusals=(Refusal(lambda a: a.doc_len_cap and not a.bos_align,
@@ -417,6 +474,7 @@ TECHNIQUES: tuple[Technique, ...] = (
         {"bigram_vocab_size": integer(0), "bigram_dim": integer(0), "bigram_sign": ANY_BOOL},
         {"speedrun": dict(bigram_vocab_size=15 * 50304, bigram_dim=192, bigram_sign=True),
          "cpu": dict(bigram_vocab_size=5 * 50304, bigram_dim=64, bigram_sign=True)},
+        left_out={"medium": NOT_IN_TRACK_2},
         refusals=(
             Refusal(lambda a: a.bigram_sign and not a.bigram_vocab_size,
                     lambda a: "--bigram_sign=true signs the bigram embedding, which --bigram_vocab_size=0 turns "
@@ -452,7 +510,7 @@ TECHNIQUES: tuple[Technique, ...] = (
         everywhere(key_offset=True), reads_previous_token=True),
     Technique(
         "paired_heads", ("2026-01-07_PairedHeadAttention",), "model", {"paired_heads": ANY_BOOL},
-        everywhere(paired_heads=True),
+        {"speedrun": dict(paired_heads=True), "cpu": dict(paired_heads=True)}, left_out={"medium": NOT_IN_TRACK_2},
         refusals=(
             Refusal(lambda a: a.paired_heads and a.n_head % 2,
                     lambda a: f"--paired_heads=true pairs heads, so --n_head={a.n_head} must be even; pass "
@@ -466,23 +524,43 @@ TECHNIQUES: tuple[Technique, ...] = (
     Technique(
         "logit_rescale", ("2025-12-26_LogitRescale",), "model",
         {"logit_offset": number(-math.inf, lo_open=True, hi_open=True)},
-        {"speedrun": dict(logit_softcap=23.0, logit_offset=5.0)},
+        {"speedrun": dict(logit_softcap=23.0, logit_offset=5.0), "medium": {}},
         left_out={"cpu": "it costs 0.10 of validation loss at this scale, beyond the seed noise (bench/results/v2)"},
         refusals=(Refusal(lambda a: a.logit_offset != 0 and a.logit_softcap == 0,
                           lambda a: f"--logit_offset={a.logit_offset} shifts the logits inside the softcap, which "
                                     "--logit_softcap=0 turns off; pass --logit_offset=0 or a softcap"),)),
     Technique(
-        "mtp", ("2025-12-22_MultiTokenPrediction",), "loss", {"mtp_tokens": integer(1)},
-        {"speedrun": dict(mtp_tokens=3)},
+        "mtp", ("2025-12-22_MultiTokenPrediction",), "loss", {"mtp_tokens": integer(1), "mtp_frac": UNIT_OPEN},
+        {"speedrun": dict(mtp_tokens=3), "medium": {}},
         left_out={"cpu": "it does not pay at this scale: +0.015 of validation loss, inside the seed noise, for 9.5% "
                          "more time per step (bench/results/v2)"}),
+    # Track 2's own layout and windows (records/track_2_medium/): the medium preset's record recipe sets them; the
+    # short track's records keep the 2025-01-26 layout, so recipe v2 leaves them out there.
+    Technique(
+        "value_embed_tables", ("2025-08-28_Medium_NewValemb",), "model", {"value_embed_tables": integer(1)},
+        {"medium": {}}, left_out=only_track_2("three value-embedding tables")),
+    Technique(
+        "attention_free_layer", ("2025-12-31_BulkSmallTrackTransfer",), "model", {"attention_free_layer": ANY_BOOL},
+        {"medium": {}}, left_out=only_track_2("the attention-free layer after the middle")),
+    Technique(
+        "window_stages", ("2025-12-31_BulkSmallTrackTransfer",), "schedule",
+        {"window_stages": Rule(lambda v: v == "" or window_stage_blocks(v) is not None,
+                               "empty, or comma-separated positive block counts such as 3,7,11")},
+        {"medium": {}}, left_out=only_track_2("the linear window growth"),
+        refusals=(Refusal(lambda a: a.window_stages and not a.sliding_window,
+                          lambda a: "--window_stages sets the sliding windows, which --sliding_window=false turns "
+                                    "off; pass one of them"),)),
+    Technique(
+        "short_window_cap", ("2025-12-31_BulkSmallTrackTransfer",), "model", {"short_window_cap": integer(0)},
+        {"medium": {}}, left_out=only_track_2("short windows of half the long one")),
 )
 
 # Recipe v2's batch geometry per preset, which the batch schedule's stages must split into whole sequences:
 # on speedrun 16K-token sequences (1, 2, 3 per GPU on 8 GPUs); on cpu the record's ramp in 512-token
 # sequences, 4 -> 8 -> 12, which 1, 2 and 4 ranks split (windows grow to the sequence).
 V2_SHAPE = {"speedrun": dict(seq_len=16 * 1024),
-            "cpu": dict(batch_tokens=6144, seq_len=512, window_final_tokens=512)}
+            "cpu": dict(batch_tokens=6144, seq_len=512, window_final_tokens=512),
+            "medium": {}}  # the medium preset is already its record's recipe
 
 
 def v2_values(preset: str) -> dict[str, object]:
@@ -503,8 +581,9 @@ RECIPES: dict[str, dict[str, dict]] = {
 
 
 def left_out_line(args: Hyperparameters) -> str | None:
-    """The run-log line of a recipe-v2 run on a preset that leaves techniques out: why, and the flags that add them."""
-    missing = [t for t in TECHNIQUES if args.preset in t.left_out and not t.is_on(args)]
+    """The run-log line of a recipe-v2 run on a preset that leaves out techniques the speedrun's v2 has: why, and the
+    flags that add them (track 2's own techniques are no part of the short track's v2, and go unsaid)."""
+    missing = [t for t in TECHNIQUES if args.preset in t.left_out and "speedrun" in t.v2 and not t.is_on(args)]
     if args.recipe != "v2" or not missing:
         return None
     return f"recipe v2 on the {args.preset} preset leaves out " + "; ".join(
@@ -542,7 +621,8 @@ FLAG_RULES: dict[str, Rule] = {
     "compile": one_of("auto", "model", "loss", "off"), "coordinate_descent_tuning": ANY_BOOL,
     "warmup_steps": integer(0),
     "collective_timeout_s": integer(1), "log_dir": NON_EMPTY, "run_id": PLAIN_NAME, "log_train_loss": ANY_BOOL,
-    "profile_steps": integer(0), "checkpoint_every": integer(0), "checkpoint_final": ANY_BOOL,
+    "profile_steps": integer(0), "target_val_loss": number(0.0, lo_open=True), "stop_at_target": ANY_BOOL,
+    "tensorboard": ANY_BOOL, "usd_per_gpu_hour": number(0.0), "checkpoint_every": integer(0), "checkpoint_final": ANY_BOOL,
     "checkpoint_keep": integer(1), "resume": ANY_TEXT, "stop_after": integer(0),
     "hellaswag_every": integer(0), "hellaswag_data": ANY_TEXT, "sample_at_end": integer(0),
     **{name: rule for technique in TECHNIQUES for name, rule in technique.flags.items()},
@@ -629,110 +709,6 @@ def structure_flags(args: Hyperparameters) -> dict[str, object]:
     with this run's values: what a checkpoint of other tensors is compared by."""
     return {name: getattr(args, name) for name in [f.name for f in fields(ModelConfig)] + list(OPTIMIZER_STRUCTURE_FIELDS)
             if hasattr(args, name)}
-
-
-# -----------------------------------------------------------------------------
-# Supported torch releases (README, "Supported torch"): checked at start-up, their differences absorbed here once
-
-SUPPORTED_TORCH = ((2, 10), (2, 13))  # the oldest and newest minor releases the README's table says were checked
-PINNED_TORCH = "2.13.0"  # requirements.txt's pin, under which the records reproduce
-MIN_PYTHON = (3, 11)  # hashlib.file_digest (the checkpoints' file records)
-
-
-@dataclass(frozen=True)
-class TorchAPI:
-    """The torch calls whose names differ across SUPPORTED_TORCH, resolved once at import. Every other call this file
-    makes has the same name, signature and behaviour from 2.10 to 2.13 (compared release by release)."""
-    all_gather_flat: typing.Callable  # 2.13 renamed dist.all_gather_into_tensor (now deprecated) all_gather_single
-    reduce_scatter_flat: typing.Callable  # and dist.reduce_scatter_tensor reduce_scatter_single
-
-
-def torch_api() -> TorchAPI:
-    """The new names where this torch has them, else the old ones (never read first: a later torch may drop them)."""
-    return TorchAPI(all_gather_flat=getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor,
-                    reduce_scatter_flat=getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)
-
-
-TORCH_API = torch_api()
-
-
-def torch_release(version: str) -> tuple[int, int]:
-    """(major, minor) of a torch version: '2.11.0+cu130' and '2.14.0.dev20260101' alike."""
-    major, minor = version.split("+")[0].split(".")[:2]
-    return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
-
-
-def tested_range() -> str:
-    (a, b), (c, d) = SUPPORTED_TORCH
-    return f"{a}.{b} to {c}.{d}"
-
-
-def torch_release_problem(version: str, python: tuple[int, int]) -> str:
-    """Why this torch or Python cannot run train_gpt.py ('' when they can): a torch older than SUPPORTED_TORCH misses
-    or names differently what this file calls, and fails late, inside a compiled graph or at the first checkpoint."""
-    if python < MIN_PYTHON:
-        return (f"Python {python[0]}.{python[1]} is older than train_gpt.py needs (>= {MIN_PYTHON[0]}.{MIN_PYTHON[1]}): "
-                "use Python 3.11 or newer (the Dockerfile's image has 3.12)")
-    if torch_release(version) < SUPPORTED_TORCH[0]:
-        return (f"torch {version} is older than the releases train_gpt.py supports ({tested_range()}): "
-                f"pip install torch=={PINNED_TORCH} (or any release from {tested_range()}; README, \"Supported torch\")")
-    return ""
-
-
-def newer_torch_warning(version: str) -> str:
-    """A run log line for a torch newer than SUPPORTED_TORCH, which runs: torch keeps a renamed call's old name for
-    releases (2.13 did), and the speedrun's users run nightlies; refusing them would stop runs that work."""
-    if torch_release(version) <= SUPPORTED_TORCH[1]:
-        return ""
-    return (f"warning: torch {version} is newer than the releases train_gpt.py is tested under ({tested_range()}); "
-            f"if start-up or compilation fails, pip install torch=={PINNED_TORCH}")
-
-
-def nvidia_gpus() -> int:
-    """The GPUs the NVIDIA driver lists (nvidia-smi, as run.sh counts them); 0 without its tools."""
-    if shutil.which("nvidia-smi") is None:
-        return 0
-    try:
-        smi = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
-                             text=True, timeout=20)
-    except (OSError, subprocess.TimeoutExpired):
-        return 0
-    return len(smi.stdout.splitlines()) if smi.returncode == 0 else 0
-
-
-def unusable_gpus_problem(preset: object) -> str:
-    """Why a GPU node's torch cannot train here ('' when it can): a CPU-only wheel, or one built for a newer CUDA
-    than the driver, would otherwise train on the CPU after torch's multi-line warning. --preset=cpu asks for that."""
-    with warnings.catch_warnings(record=True) as caught:  # "CUDA initialization: ... driver ... too old": said below
-        warnings.simplefilter("always")
-        if torch.cuda.is_available() or preset == "cpu":
-            return ""
-    gpus = nvidia_gpus()
-    if not gpus:
-        return ""
-    build = "a CPU-only build" if torch.version.cuda is None else f"built for CUDA {torch.version.cuda}"
-    said = next((str(w.message).strip().splitlines()[0][:200] for w in caught if "CUDA" in str(w.message)), "")
-    return (f"nvidia-smi lists {gpus} GPU(s) but torch {torch.__version__} ({build}) cannot use them"
-            + (f" ({said})" if said else "") + ": install a torch wheel built for this driver's CUDA version "
-            "(nvidia-smi's header names it; README, \"Supported torch\"), or pass --preset=cpu to train on the CPU")
-
-
-def check_torch_install(preset: object) -> None:
-    """Start-up's first check, before anything touches a device (preset: the command line's --preset, if any)."""
-    problem = torch_release_problem(torch.__version__, sys.version_info[:2]) or unusable_gpus_problem(preset)
-    if problem:
-        raise UsageError(problem)
-
-
-def device_notes(args: Hyperparameters, rt: "Runtime") -> list[str]:
-    """Run log lines on what this torch and device change: a torch newer than the tested range; a GPU without FP8
-    matmuls, whose LM head runs in bf16."""
-    notes = [newer_torch_warning(torch.__version__)]
-    if args.fp8_head and rt.is_cuda and not rt.fp8_head:
-        major, minor = torch.cuda.get_device_capability(rt.device)
-        notes.append(f"fp8 head: off: {torch.cuda.get_device_name(rt.device)} (compute capability {major}.{minor}) "
-                     "has no FP8 matmuls (needs >= 8.9, as H100, H200, L40S); the LM head runs in bf16")
-    return [note for note in notes if note]
 
 
 # -----------------------------------------------------------------------------
@@ -835,27 +811,6 @@ def setup_runtime(args: Hyperparameters) -> Runtime:
     return choose_runtime(join_process_group(args), args)
 
 
-# glibc's mallopt parameters and what a CPU run sets them to, unless its MALLOC_<name>_ variable is set: blocks
-# up to 256 MiB (a 512-row chunk of fp32 logits is 103 MB) from the heap, not mmap; freed heap kept up to 1 GiB;
-# the heap grown 256 MiB at a time.
-HOST_MALLOC = {"MMAP_THRESHOLD": (-3, 256 << 20), "TRIM_THRESHOLD": (-1, 1 << 30), "TOP_PAD": (-2, 256 << 20)}
-
-
-def keep_freed_host_memory() -> str:
-    """Keeps freed memory in glibc's heap for reuse. Every micro-step frees and allocates the same activation
-    buffers, and by default glibc hands blocks over 128 KiB back to the kernel, which zero-fills their pages
-    again on the next touch: a third of a cpu-preset step (bench/README.md). Math unchanged. Returns what
-    was set, for the run log; "default" where there is no glibc."""
-    import ctypes
-    try:
-        mallopt = ctypes.CDLL("libc.so.6").mallopt
-    except (OSError, AttributeError):
-        return "default"
-    done = [f"{name.lower()}={value}" for name, (param, value) in HOST_MALLOC.items()
-            if f"MALLOC_{name}_" not in os.environ and mallopt(param, value) == 1]
-    return "glibc " + ",".join(done) if done else "default"
-
-
 def choose_kernels(args: Hyperparameters, device_type: str, fp8_capable: bool) -> dict:
     """Runtime's kernel choices for a device: attention, FP8 head, what is compiled, the head + loss path."""
     attention = args.attention if args.attention != "auto" else ("flex" if device_type == "cuda" else "banded")
@@ -874,54 +829,6 @@ def configure_inductor(args: Hyperparameters) -> None:
     """The record's compiler settings for a compiled model."""
     import torch._inductor.config as inductor_config
     inductor_config.coordinate_descent_tuning = args.coordinate_descent_tuning  # R: tunes each kernel's tiling
-
-
-@dataclass(frozen=True)
-class BatchSchedule:
-    """Global tokens per optimizer step at every step: batch_tokens throughout, or --batch_schedule's stages,
-    equal in length (2025-11-29_BatchSizeSchedule: stage int(3 * step / num_iterations)). Every stage is
-    whole micro-steps of seq_len tokens on every rank, so the shapes (and compiled kernels) never change."""
-    stage_tokens: tuple[int, ...]
-    stage_accum: tuple[int, ...]  # micro-steps per rank in each stage
-    num_iterations: int
-    batch_tokens: int
-    lr_exponent: float
-
-    def stage(self, step: int) -> int:
-        return min(len(self.stage_tokens) * step // self.num_iterations, len(self.stage_tokens) - 1)
-
-    def tokens(self, step: int) -> int:
-        return self.stage_tokens[self.stage(step)]
-
-    def accum(self, step: int) -> int:
-        return self.stage_accum[self.stage(step)]
-
-    def lr_scale(self, step: int) -> float:
-        """The record scales every lr as batch ** 0.6; batch_tokens' lrs are the base."""
-        return (self.tokens(step) / self.batch_tokens) ** self.lr_exponent
-
-    def first_step(self, stage: int) -> int:
-        return -(-stage * self.num_iterations // len(self.stage_tokens))
-
-    def tokens_before(self, step: int) -> int:
-        """Training tokens of steps 0 .. step-1 (what a validation at `step` has seen)."""
-        return sum(self.tokens(s) for s in range(step))
-
-
-def batch_schedule(args: Hyperparameters, world_size: int) -> BatchSchedule:
-    """Every stage's tokens and micro-steps; refuses a world size that cannot split every stage into whole
-    sequences per rank, naming the world sizes that can."""
-    fracs = stage_fractions(args.batch_schedule) if args.batch_schedule else [Fraction(1)]
-    tokens = tuple(int(args.batch_tokens * f) for f in fracs)
-    sequences = [n // args.seq_len if n % args.seq_len == 0 else 0 for n in tokens]
-    if any(n == 0 or n % world_size for n in sequences):
-        valid = [w for w in range(1, min(sequences) + 1) if all(n % w == 0 for n in sequences)]
-        batch = f"--batch_tokens={args.batch_tokens}" if len(tokens) == 1 else \
-            f"the --batch_schedule stages {'/'.join(map(str, tokens))} tokens"
-        raise UsageError(f"world size {world_size} cannot split {batch} into sequences of --seq_len={args.seq_len} "
-                         f"for every rank; world sizes that work: {valid or 'none (fix the batch size)'}")
-    return BatchSchedule(tokens, tuple(n // world_size for n in sequences), args.num_iterations,
-                         args.batch_tokens, args.batch_lr_exponent)
 
 
 # -----------------------------------------------------------------------------
@@ -1160,20 +1067,22 @@ class LayerRoles:
     backout_layer: int | None  # the stream entering this layer is backed out before the head
 
     VALUE_EMBED_TABLES = 3  # R: three value-embedding tables, read by the first three and the last three layers
+    # (track 2's records: five, --value_embed_tables)
     LONG_WINDOW_EVERY = 4  # R: encoder layers 0, 4, ... have the long window; the decoder mirrors the encoder
     NO_ATTENTION_OFFSET = 1  # R: the layer just after the middle (7 of 12) has no attention, only its MLP
     BACKOUT_FRACTION = Fraction(3, 4)  # 2025-10-04_Backout: the stream after block 8 of 12 (0-based), entering 9
 
     @staticmethod
     def for_depth(n_layer: int, value_embeds: bool = True, paired_heads: bool = False, key_offset: bool = False,
-                  backout: bool = False) -> "LayerRoles":
+                  backout: bool = False, value_embed_tables: int = VALUE_EMBED_TABLES,
+                  attention_free_layer: bool = True) -> "LayerRoles":
         n_enc = n_layer // 2
-        n_ve = min(LayerRoles.VALUE_EMBED_TABLES, n_enc) if value_embeds else 0
+        n_ve = min(value_embed_tables, n_enc) if value_embeds else 0
         ve: list[int | None] = [None] * n_layer
         for i in range(n_ve):
             ve[i] = ve[n_layer - n_ve + i] = i
         encoder_long = [i % LayerRoles.LONG_WINDOW_EVERY == 0 for i in range(n_enc)]
-        attention = [i != n_enc + LayerRoles.NO_ATTENTION_OFFSET for i in range(n_layer)]
+        attention = [not attention_free_layer or i != n_enc + LayerRoles.NO_ATTENTION_OFFSET for i in range(n_layer)]
         long_window = encoder_long + encoder_long[::-1]
         # 2026-01-07_PairedHeadAttention pairs layers 0, 2, 5, 9 of its 11: the first short-window layer and each
         # short-window layer just before a long-window or attention-free one (1, 3, 6, 10 of our 12)
@@ -1487,6 +1396,9 @@ class ModelConfig:
     key_offset: bool
     paired_heads: bool
     logit_offset: float
+    value_embed_tables: int
+    attention_free_layer: bool
+    short_window_cap: int
     max_seq_len: int  # the longer of training and validation sequences
 
     @staticmethod
@@ -1662,7 +1574,7 @@ class GPT(nn.Module):
             raise ValueError("the chunked head + loss computes the head in the activation dtype, not FP8")
         self.config = cfg
         self.roles = LayerRoles.for_depth(cfg.n_layer, cfg.value_embeds, cfg.paired_heads, cfg.key_offset,
-                                          cfg.backout)
+                                          cfg.backout, cfg.value_embed_tables, cfg.attention_free_layer)
         self.backend = attention_backend(attention, compile_attention)
         self.vocab_size, self.unet = cfg.vocab_size, cfg.unet_skips
         self.softcap = Softcap(cfg.logit_softcap, cfg.logit_temperature, cfg.logit_offset)
@@ -1783,15 +1695,26 @@ class GPT(nn.Module):
 
     def window(self, long_blocks: int) -> Tensor:
         """The windows input for a fixed long window, on the model's device."""
-        return window_tensor(long_blocks, self.embed.weight.device)
+        return window_tensor(long_blocks, self.embed.weight.device, self.config.short_window_cap)
 
     def kv_cache(self, long_blocks: int, max_len: int | None = None) -> "KVCache":
         """An empty cache for decode() with a fixed long window."""
-        return KVCache(self, window_tensor(long_blocks), max_len)
+        return KVCache(self, window_tensor(long_blocks, short_cap=self.config.short_window_cap), max_len)
 
     def softcapped(self, logits: Tensor) -> Tensor:
         """Head outputs as the loss sees them: fp32, through the model's softcap."""
         return apply_softcap(logits, self.softcap)
+
+    def flops_per_token(self, windows: tuple[int, int], seq_len: int) -> float:
+        """Model FLOPs of one training token, forward and backward, as MFU counts them (PaLM, arXiv 2204.02311,
+        appendix B): 6 per weight of every matrix product, and 12 per attended key and attention channel for the
+        scores and the weighted values, each attention layer attending to its window (in whole blocks, at most
+        the sequence). Embedding lookups, norms, gates' elementwise work and the loss are left out."""
+        tables = {id(m.weight) for m in self.modules() if isinstance(m, nn.Embedding)}
+        weights = sum(p.numel() for p in self.parameters() if p.ndim >= 2 and id(p) not in tables)
+        keys = sum(min(BLOCK_SIZE * (windows[0] if is_long else windows[1]), seq_len)
+                   for is_long, attends in zip(self.roles.long_window, self.roles.attention) if attends)
+        return 6 * weights + 12 * self.config.n_head * self.config.head_dim * keys
 
 
 class KVCache:
@@ -2425,6 +2348,54 @@ def build_optimizers(model: GPT, args: Hyperparameters, rank: int, world_size: i
 # -----------------------------------------------------------------------------
 # Schedules
 
+@dataclass(frozen=True)
+class BatchSchedule:
+    """Global tokens per optimizer step at every step: batch_tokens throughout, or --batch_schedule's stages,
+    equal in length (2025-11-29_BatchSizeSchedule: stage int(3 * step / num_iterations)). Every stage is
+    whole micro-steps of seq_len tokens on every rank, so the shapes (and compiled kernels) never change."""
+    stage_tokens: tuple[int, ...]
+    stage_accum: tuple[int, ...]  # micro-steps per rank in each stage
+    num_iterations: int
+    batch_tokens: int
+    lr_exponent: float
+
+    def stage(self, step: int) -> int:
+        return min(len(self.stage_tokens) * step // self.num_iterations, len(self.stage_tokens) - 1)
+
+    def tokens(self, step: int) -> int:
+        return self.stage_tokens[self.stage(step)]
+
+    def accum(self, step: int) -> int:
+        return self.stage_accum[self.stage(step)]
+
+    def lr_scale(self, step: int) -> float:
+        """The record scales every lr as batch ** 0.6; batch_tokens' lrs are the base."""
+        return (self.tokens(step) / self.batch_tokens) ** self.lr_exponent
+
+    def first_step(self, stage: int) -> int:
+        return -(-stage * self.num_iterations // len(self.stage_tokens))
+
+    def tokens_before(self, step: int) -> int:
+        """Training tokens of steps 0 .. step-1 (what a validation at `step` has seen)."""
+        return sum(self.tokens(s) for s in range(step))
+
+
+def batch_schedule(args: Hyperparameters, world_size: int) -> BatchSchedule:
+    """Every stage's tokens and micro-steps; refuses a world size that cannot split every stage into whole
+    sequences per rank, naming the world sizes that can."""
+    fracs = stage_fractions(args.batch_schedule) if args.batch_schedule else [Fraction(1)]
+    tokens = tuple(int(args.batch_tokens * f) for f in fracs)
+    sequences = [n // args.seq_len if n % args.seq_len == 0 else 0 for n in tokens]
+    if any(n == 0 or n % world_size for n in sequences):
+        valid = [w for w in range(1, min(sequences) + 1) if all(n % w == 0 for n in sequences)]
+        batch = f"--batch_tokens={args.batch_tokens}" if len(tokens) == 1 else \
+            f"the --batch_schedule stages {'/'.join(map(str, tokens))} tokens"
+        raise UsageError(f"world size {world_size} cannot split {batch} into sequences of --seq_len={args.seq_len} "
+                         f"for every rank; world sizes that work: {valid or 'none (fix the batch size)'}")
+    return BatchSchedule(tokens, tuple(n // world_size for n in sequences), args.num_iterations,
+                         args.batch_tokens, args.batch_lr_exponent)
+
+
 def lr_multiplier(step: int, num_iterations: int, cooldown_frac: float, final_frac: float) -> float:
     """1 until the cooldown starts, then linear down to final_frac at the last step."""
     progress = step / num_iterations
@@ -2442,12 +2413,13 @@ def muon_momentum(step: int, warmup_steps: int, start: float, end: float) -> flo
 MTP_WEIGHT_RATIO = 0.5  # 2025-12-22_MultiTokenPrediction: weights 1, 0.5, 0.25 for the next 3 tokens
 
 
-def mtp_loss_weights(step: int, num_iterations: int, n_tokens: int) -> list[float]:
-    """2025-12-22_MultiTokenPrediction: training is cut into n_tokens equal phases; phase p predicts the next
-    n_tokens - p tokens with weights 1, 0.5, 0.25, ..., the last of them decaying linearly to 0 over the phase
-    (for 3: [1, .5, .25->0] -> [1, .5->0] -> [1]). Always n_tokens weights (zeros at the end), so the shapes
-    a compiled model sees never change."""
-    progress = min(step / num_iterations, 1.0) * n_tokens
+def mtp_loss_weights(step: int, num_iterations: int, n_tokens: int, frac: float = 1.0) -> list[float]:
+    """2025-12-22_MultiTokenPrediction: the first frac of training (all of it in the short track; the first quarter
+    in track 2's 2025-12-31 record) is cut into n_tokens equal phases; phase p predicts the next n_tokens - p
+    tokens with weights 1, 0.5, 0.25, ..., the last of them decaying linearly to 0 over the phase (for 3:
+    [1, .5, .25->0] -> [1, .5->0] -> [1]), and the rest of training the next token alone. Always n_tokens weights
+    (zeros at the end), so the shapes a compiled model sees never change."""
+    progress = min(step / (num_iterations * frac), 1.0) * n_tokens
     phase = min(int(progress), n_tokens - 1)
     live = n_tokens - phase
     weights = [MTP_WEIGHT_RATIO ** k for k in range(live)] + [0.0] * phase
@@ -2458,21 +2430,27 @@ def mtp_loss_weights(step: int, num_iterations: int, n_tokens: int) -> list[floa
 
 def attention_windows(step: int, args: Hyperparameters) -> tuple[int, int]:
     """(long, short) attention windows in blocks at a step. R: the long window grows linearly to
-    window_final_tokens, rounded up to whole blocks; the short-window layers see half of it."""
+    window_final_tokens, rounded up to whole blocks; the short-window layers see half of it. Track 2's 2025-12-31
+    record: the long window steps through --window_stages over equal stages of training, the short one capped."""
     if not args.sliding_window:
         return window_pair(max(args.seq_len, args.val_seq_len) // BLOCK_SIZE)
+    if args.window_stages:
+        stages = window_stage_blocks(args.window_stages)
+        return window_pair(stages[min(len(stages) * step // args.num_iterations, len(stages) - 1)],
+                           args.short_window_cap)
     tokens = max(next_multiple(args.window_final_tokens * step / args.num_iterations, BLOCK_SIZE), BLOCK_SIZE)
-    return window_pair(tokens // BLOCK_SIZE)
+    return window_pair(tokens // BLOCK_SIZE, args.short_window_cap)
 
 
-def window_pair(long_blocks: int) -> tuple[int, int]:
-    """A long window and its short one: half of it, at least one block."""
-    return long_blocks, max(long_blocks // 2, 1)
+def window_pair(long_blocks: int, short_cap: int = 0) -> tuple[int, int]:
+    """A long window and its short one: half of it, at least one block, and at most short_cap blocks if set."""
+    short = max(long_blocks // 2, 1)
+    return long_blocks, min(short, short_cap) if short_cap else short
 
 
-def window_tensor(long_blocks: int, device: torch.device | str | None = None) -> Tensor:
+def window_tensor(long_blocks: int, device: torch.device | str | None = None, short_cap: int = 0) -> Tensor:
     """The model's windows input, (long, short) in blocks, for a fixed long window (the tools, tests)."""
-    return torch.tensor(window_pair(long_blocks), dtype=torch.int64, device=device)
+    return torch.tensor(window_pair(long_blocks, short_cap), dtype=torch.int64, device=device)
 
 
 class StepTensors:
@@ -2483,7 +2461,7 @@ class StepTensors:
         self.args = args
         pairs = {attention_windows(step, args) for step in range(args.num_iterations + 1)}
         self.window_tensors = {pair: torch.tensor(pair, dtype=torch.int64, device=device) for pair in pairs}
-        self.mtp_table = torch.tensor([mtp_loss_weights(step, args.num_iterations, args.mtp_tokens)
+        self.mtp_table = torch.tensor([mtp_loss_weights(step, args.num_iterations, args.mtp_tokens, args.mtp_frac)
                                        for step in range(args.num_iterations + 1)], device=device) \
             if args.mtp_tokens > 1 else None
 
@@ -2521,37 +2499,6 @@ def mean_over_ranks(value: Tensor, rt: Runtime) -> float:
     return value.item()
 
 
-def training_state(model: GPT, opt: Optimizers, stream: TokenStream, step: int,
-                   segments: list[dict] | None = None) -> TrainingState:
-    """What a checkpoint keeps of a run at a step: the live tensors (aliased, not copied) and the data position."""
-    tensors = {f"model/{name}": t for name, t in model.state_dict().items()}
-    return TrainingState(step=step, loader=stream.state(), tensors={**tensors, **opt.state_tensors()},
-                         segments=segments or [])
-
-
-class FiniteWatch:
-    """Whether any training loss was non-finite, accumulated on the device (no host sync per step),
-    so that a diverged state is never checkpointed and never rotates a good checkpoint away."""
-
-    def __init__(self, device: torch.device, start_step: int, resumed_from: Path | None):
-        self.bad = torch.zeros((), dtype=torch.bool, device=device)
-        self.good_step, self.newest_good = start_step, resumed_from
-
-    def observe(self, loss: Tensor) -> None:
-        self.bad |= ~torch.isfinite(loss)
-
-    def check(self, model: nn.Module, place: Place, step: int) -> None:
-        """Stops the run, on every rank, once a loss so far or a weight is not finite (one reduction, one sync)."""
-        flags = torch.stack([self.bad, *(~torch.isfinite(p).all() for p in model.parameters())])
-        if not ranks_agree(not bool(flags.any()), place):
-            raise RunFailed(f"the loss or the weights became non-finite between step {self.good_step} and step "
-                            f"{step}; no checkpoint written, {self.hint()}: resume from it with lower learning rates")
-        self.good_step = step
-
-    def hint(self) -> str:
-        return f"the newest good checkpoint is {self.newest_good or '(none)'}"
-
-
 @dataclass
 class Run:
     """What set-up builds for one launch of a run, and every phase after it uses."""
@@ -2568,25 +2515,49 @@ class Run:
     val_seqs: list[np.ndarray]
     hellaswag_items: list | None  # this rank's share, under --hellaswag_every
     checkpoints: Checkpoints
+    energy: EnergyMeter
+    metrics: Metrics
+    started: float  # when this launch started (time.perf_counter): its wall time
     earlier_segments: list[dict] = dataclasses.field(default_factory=list)  # of the checkpoint resumed from
+    earlier_target: dict | None = None  # where an earlier launch reached the target loss
 
     def segments(self, start_step: int, step: int, clock: Clock) -> list[dict]:
-        """The run's history through `step`: the earlier launches, then this one's steps and time so far."""
+        """The run's history through `step`: the earlier launches, then this one's steps, time and energy so far
+        (the energy is summed over ranks: every rank calls this)."""
         tokens = self.batches.tokens_before(step) - self.batches.tokens_before(start_step)
-        return self.earlier_segments + [segment(self.checkpoints.folder.run_id, start_step, step, tokens, clock.ms)]
+        return self.earlier_segments + [segment(self.checkpoints.folder.run_id, start_step, step, tokens, clock.ms,
+                                                self.energy.totals(self.rt), time.perf_counter() - self.started)]
 
-    def save_checkpoint(self, step: int, segments: list[dict], watch: FiniteWatch) -> None:
+    def tokens_through(self, start_step: int, step: int) -> int:
+        """The run's training tokens through `step`, earlier launches included."""
+        earlier = sum(s["tokens"] or 0 for s in self.earlier_segments)
+        return earlier + self.batches.tokens_before(step) - self.batches.tokens_before(start_step)
+
+    def earlier_train_ms(self) -> float:
+        return sum(s["train_time_ms"] or 0.0 for s in self.earlier_segments)
+
+    def earlier_train_joules(self) -> float | None:
+        """The earlier launches' training joules (ranks summed); None if one of them could not measure."""
+        known = [s["energy_j"] for s in self.earlier_segments]
+        return None if None in known else sum(e["train"] for e in known)
+
+    def save_checkpoint(self, step: int, segments: list[dict], watch: FiniteWatch, target: dict | None) -> None:
         """A checkpoint of the state after `step`, never of a diverged one (FiniteWatch.check)."""
         watch.check(self.model, self.rt, step)
-        watch.newest_good = self.checkpoints.save(training_state(self.model, self.opt, self.stream, step, segments))
+        state = training_state(self.model, self.opt, self.stream, step, segments)
+        watch.newest_good = self.checkpoints.save(dataclasses.replace(state, target=target))
 
 
 @dataclass
 class Results:
-    """What the loop has measured so far: the JSON summary's curves."""
+    """What the loop has measured so far: the JSON summary's curves, where the target was reached, and this
+    launch's model FLOPs (for its mean TFLOP/s and MFU)."""
     val_loss: float = float("nan")
     val_curve: list = dataclasses.field(default_factory=list)  # [step, val_loss, train_time_ms]
     hellaswag_curve: list = dataclasses.field(default_factory=list)  # [step, acc, acc_norm, examples]
+    target: dict | None = None  # where a validation first reached --target_val_loss (target_reached)
+    flops: float = 0.0
+    last_ms: float = 0.0  # the clock at the previous step's line
 
 
 def start(argv: list[str]) -> tuple[Hyperparameters, Runtime, RunFolder, Path | None, list[str]]:
@@ -2613,11 +2584,11 @@ def start(argv: list[str]) -> tuple[Hyperparameters, Runtime, RunFolder, Path | 
     return args, rt, folder, checkpoint, notes
 
 
-def set_up(args: Hyperparameters, rt: Runtime, folder: RunFolder, log: RunLog) -> Run:
+def set_up(args: Hyperparameters, rt: Runtime, folder: RunFolder, log: RunLog, started: float) -> Run:
     """Data, model and optimizers: everything that can fail on bad input fails here, before step 0."""
     train_files = find_shards(args.train_files, "training")
     val_files = find_shards(args.val_files, "validation")
-    for f in train_files:
+    for f in progress_bar(train_files, "checking shards", rt.is_master, unit="shard"):
         shard_token_count(f)
     val_seqs = validation_sequences(val_files, args, rt.rank, rt.world_size)
     torch.manual_seed(args.seed)
@@ -2628,21 +2599,31 @@ def set_up(args: Hyperparameters, rt: Runtime, folder: RunFolder, log: RunLog) -
     loader = DistributedTokenLoader(stream, args.seq_len, rt.rank, rt.world_size, args.bos_align, args.doc_len_cap,
                                     rt.device)
     record = {"run_id": folder.run_id, "hyperparameters": dataclasses.asdict(args), "runtime": rt.resolved(),
-              "source_sha256": sources_sha256(trainer_sources())}
+              "source_sha256": sources_sha256(trainer_sources(Path(__file__)))}
     checkpoints = Checkpoints(folder, args.checkpoint_keep, rt, log, record)
+    metrics = Metrics(folder.metrics if rt.is_master else None,
+                      folder.tensorboard if args.tensorboard and rt.is_master else None, say=log.write)
+    hellaswag = None
+    if args.sample_at_end > 0 or args.hellaswag_every > 0:  # evaluation.py only for a run that asks for it
+        from evaluation import prepare_downstream
+        hellaswag = prepare_downstream(args.sample_at_end, args.hellaswag_every, args.hellaswag_data, rt,
+                                       model.context_len)
     return Run(args, rt, log, batch_schedule(args, rt.world_size), model, step_model, opt, stream, loader,
-               StepTensors(args, rt.device), val_seqs, prepare_downstream(args, rt, model.context_len), checkpoints)
+               StepTensors(args, rt.device), val_seqs, hellaswag, checkpoints, EnergyMeter.open(rt), metrics, started)
 
 
 def warm_up(run: Run) -> None:
-    """Compile and warm the kernels on real shapes (training and validation), then forget it happened."""
+    """Compile and warm the kernels on real shapes (training and validation), then forget it happened; its
+    energy is counted apart (warmup)."""
     if run.args.warmup_steps <= 0:
         return
     live = training_state(run.model, run.opt, run.stream, 0)
     saved = {name: local_part(x).clone() for name, x in live.tensors.items()}
-    for step in range(run.args.warmup_steps):
-        train_step(run, step)
-    evaluate(run.step_model, run.val_seqs[:1], run.schedules.windows(0), run.rt)
+    with run.energy.measuring("warmup"):
+        for step in progress_bar(range(run.args.warmup_steps), "compile and warm-up", run.rt.is_master):
+            train_step(run, step)
+        evaluate(run.step_model, run.val_seqs[:1], run.schedules.windows(0), run.rt)
+        run.rt.synchronize()
     with torch.no_grad():
         for name, x in live.tensors.items():
             local_part(x).copy_(saved[name])
@@ -2655,9 +2636,15 @@ def resume(run: Run, checkpoint: Path | None) -> int:
         return 0
     state = run.checkpoints.load(checkpoint, training_state(run.model, run.opt, run.stream, 0))
     run.stream.load_state(state.loader)
-    run.earlier_segments = state.segments
+    run.earlier_segments, run.earlier_target = state.segments, state.target
     run.log.write(f"resumed from {checkpoint} at step {state.step}")
     return state.step
+
+
+def lr_multiplier_at(run: Run, step: int) -> float:
+    """The step's lr multiplier: the cooldown schedule times the batch stage's scale."""
+    args = run.args
+    return lr_multiplier(step, args.num_iterations, args.cooldown_frac, args.lr_final_frac) * run.batches.lr_scale(step)
 
 
 def train_step(run: Run, step: int) -> Tensor:
@@ -2672,10 +2659,8 @@ def train_step(run: Run, step: int) -> Tensor:
         loss = run.step_model(x, y, windows, *mtp)
         loss.backward()
         losses.append(loss.detach())
-    lr_mult = lr_multiplier(step, args.num_iterations, args.cooldown_frac, args.lr_final_frac) * \
-        run.batches.lr_scale(step)
     momentum = muon_momentum(step, args.muon_momentum_warmup_steps, args.muon_momentum_start, args.muon_momentum)
-    run.opt.step(lr_mult, momentum, accum)
+    run.opt.step(lr_multiplier_at(run, step), momentum, accum)
     run.model.zero_grad(set_to_none=True)  # R: the next backward writes fresh gradients, no zeroing kernels
     return torch.stack(losses).mean()
 
@@ -2684,27 +2669,32 @@ def train_loop(run: Run, start_step: int, stop: StopSignal, resumed_from: Path |
     """The record's loop: validate (and score HellaSwag) when due and at the end, checkpoint or stop when due,
     one training step and its log line; then the finish. Returns the exit status."""
     args, rt, N = run.args, run.rt, run.args.num_iterations
-    clock, recompiles, stop = Clock(rt, EnergyMeter.open(rt)), RecompileWatch().start(), stop.defer()
-    results, watch = Results(), FiniteWatch(rt.device, start_step, resumed_from)
+    clock, recompiles, stop = Clock(rt, run.energy), RecompileWatch().start(), stop.defer()
+    results, watch = Results(target=run.earlier_target), FiniteWatch(rt.device, start_step, resumed_from)
     clock.start()
-    status = None
-    with profiling(run) as profiler:  # stopped on every way out of the loop
+    status, end_step = None, N
+    with profiling(run) as profiler, progress_bar(range(start_step, N), "training", rt.is_master) as bar:
         for step in range(start_step, N + 1):
-            last = step == N
             # ---------------- VALIDATION ----------------
-            validate_now = last or due(step, args.val_every)
-            hellaswag_now = run.hellaswag_items is not None and (last or due(step, args.hellaswag_every))
+            validate_now = step == N or due(step, args.val_every)
+            hellaswag_now = run.hellaswag_items is not None and (step == N or due(step, args.hellaswag_every))
             if validate_now or hellaswag_now:
                 clock.pause()
-                if validate_now:
-                    validate(run, step, start_step, clock, results, watch)
-                if hellaswag_now:
-                    score_hellaswag(run, step, results)
-                if last:
+                with run.energy.measuring("validation"):
+                    if validate_now:
+                        validate(run, step, start_step, clock, results, watch)
+                    if hellaswag_now:
+                        from evaluation import score_during_training
+                        point, line = score_during_training(run.model, run.hellaswag_items, int(
+                            run.schedules.windows(step)[0]), rt, step, N)
+                        results.hellaswag_curve.append(point)
+                        run.log.write(line)
+                if step == N or args.stop_at_target and results.target and results.target["step"] == step:
+                    end_step = step
                     break
                 clock.start()
             # ---------------- CHECKPOINT OR STOP ----------------
-            status = checkpoint_or_stop(run, step, start_step, stop.agreed(rt), clock, watch)
+            status = checkpoint_or_stop(run, step, start_step, stop.agreed(rt), clock, watch, results)
             if status is not None:
                 break
             # ---------------- TRAINING ----------------
@@ -2714,9 +2704,11 @@ def train_loop(run: Run, start_step: int, stop: StopSignal, resumed_from: Path |
                 run.log.write(f"warning: torch.compile recompiled after warm-up at step {step + 1}: {reason}")
             if profiler is not None:
                 profiler.step()
-            log_train_step(run, step + 1, start_step, loss, clock, watch)
+            log_train_step(run, step + 1, start_step, loss, clock, watch, results)
+            bar.update()
     stop.settle()  # every rank started the same agreements, so the last one completes
-    return status if status is not None else finish(run, start_step, clock, results, watch, recompiles)
+    run.metrics.close()
+    return status if status is not None else finish(run, start_step, end_step, clock, results, watch, recompiles)
 
 
 def due(step: int, every: int) -> bool:
@@ -2732,30 +2724,39 @@ def profiling(run: Run):
 
 
 def validate(run: Run, step: int, start_step: int, clock: Clock, results: Results, watch: FiniteWatch) -> None:
-    """Validation loss on the whole held-out budget, logged with the training time so far."""
+    """Validation loss on the whole held-out budget, logged with the training time and energy so far; the first
+    one at or below --target_val_loss marks the run (target_reached)."""
     results.val_loss = evaluate(run.step_model, run.val_seqs, run.schedules.windows(step), run.rt)
     results.val_curve.append([step, results.val_loss, clock.ms])
-    energy = clock.energy.totals(run.rt)
+    energy, earlier = run.energy.totals(run.rt), run.earlier_train_joules()
     joules = energy["train"] if energy else None
     run.log.write(progress_line(step, run.args.num_iterations, val_loss=results.val_loss, train_time=clock.ms,
                                 step_avg=clock.ms / max(step - start_step, 1),
                                 **({"energy": joules} if joules is not None else {})))
+    run_joules = joules + earlier if joules is not None and earlier is not None else None
+    tokens, train_ms = run.tokens_through(start_step, step), run.earlier_train_ms() + clock.ms
+    run.metrics.write("val", step=step, tokens=tokens, val_loss=results.val_loss, train_time_ms=train_ms,
+                      energy_j=run_joules)
     if not math.isfinite(results.val_loss):
         raise RunFailed(f"validation loss is {results.val_loss} at step {step}; the run diverged "
                         f"(lower the learning rates and resume: {watch.hint()})")
+    if results.target is None and results.val_loss <= run.args.target_val_loss:
+        results.target = target_reached(run, step, tokens, train_ms, run_joules, results.val_loss)
 
 
-def score_hellaswag(run: Run, step: int, results: Results) -> None:
-    from evaluation import hellaswag_accuracy
-    started = time.perf_counter()
-    acc, acc_norm, n = hellaswag_accuracy(run.model, run.hellaswag_items, int(run.schedules.windows(step)[0]), run.rt)
-    results.hellaswag_curve.append([step, acc, acc_norm, n])
-    run.log.write(progress_line(step, run.args.num_iterations, hellaswag_acc=acc, hellaswag_acc_norm=acc_norm,
-                                hellaswag_examples=n, hellaswag_time=1000 * (time.perf_counter() - started)))
+def target_reached(run: Run, step: int, tokens: int, train_ms: float, joules: float | None, val_loss: float) -> dict:
+    """Where the run first reached its target loss, as the log's target line and the summary record it: the step,
+    the run's training time, tokens and training energy (ranks and launches summed) up to it."""
+    reached = {"val_loss": run.args.target_val_loss, "reached_val_loss": val_loss, "step": step,
+               "train_time_ms": train_ms, "tokens": tokens, "energy_j": joules}
+    run.log.write(progress_line(None, run.args.num_iterations, head="target:", val_loss=val_loss,
+                                target_val_loss=run.args.target_val_loss, steps=step, tokens=tokens,
+                                train_time=train_ms, **({"energy": joules} if joules is not None else {})))
+    return reached
 
 
 def checkpoint_or_stop(run: Run, step: int, start_step: int, signum: int | None, clock: Clock,
-                       watch: FiniteWatch) -> int | None:
+                       watch: FiniteWatch, results: Results) -> int | None:
     """Before training step+1: write a checkpoint when one is due, a signal came or --stop_after is
     reached; returns the exit status when the run stops here, None to go on."""
     args, log = run.args, run.log
@@ -2765,7 +2766,7 @@ def checkpoint_or_stop(run: Run, step: int, start_step: int, signum: int | None,
     checkpointing = args.checkpoint_every > 0 or args.checkpoint_final or args.stop_after > 0
     with clock.paused():
         if checkpointing:
-            run.save_checkpoint(step, run.segments(start_step, step, clock), watch)
+            run.save_checkpoint(step, run.segments(start_step, step, clock), watch, results.target)
     if signum:
         log.write(f"stopped by signal {signal.Signals(signum).name} before step {step + 1}"
                   + ("; resume with --resume=latest" if checkpointing else " (no checkpoints enabled)"))
@@ -2776,18 +2777,31 @@ def checkpoint_or_stop(run: Run, step: int, start_step: int, signum: int | None,
     return None
 
 
-def log_train_step(run: Run, step: int, start_step: int, loss: Tensor, clock: Clock, watch: FiniteWatch) -> None:
-    """The step line; with --log_train_loss also the loss averaged over ranks (one device sync)."""
+def log_train_step(run: Run, step: int, start_step: int, loss: Tensor, clock: Clock, watch: FiniteWatch,
+                   results: Results) -> None:
+    """The step line and the step's metrics; with --log_train_loss also the loss averaged over ranks (one device
+    sync). The times are the host's (no device sync): on a GPU a step's time lands on the step after it."""
+    args, rt = run.args, run.rt
     ms = clock.elapsed_ms()
-    timing = dict(train_time=ms, step_avg=ms / (step - start_step))
-    if not run.args.log_train_loss:
-        run.log.write(progress_line(step, run.args.num_iterations, **timing))
-        return
-    train_loss = mean_over_ranks(loss, run.rt)
-    if not math.isfinite(train_loss):
+    train_loss = mean_over_ranks(loss, rt) if args.log_train_loss else None
+    if train_loss is not None and not math.isfinite(train_loss):
         raise RunFailed(f"training loss is {train_loss} at step {step}; stopping (lower the learning rates and "
                         f"resume: {watch.hint()})")
-    run.log.write(progress_line(step, run.args.num_iterations, train_loss=train_loss, **timing))
+    run.log.write(progress_line(step, args.num_iterations, **({"train_loss": train_loss} if train_loss is not None
+                                                              else {}), train_time=ms, step_avg=ms / (step - start_step)))
+    step_ms, tokens = ms - results.last_ms, run.batches.tokens(step - 1)
+    flops = run.model.flops_per_token(attention_windows(step - 1, args), args.seq_len) * tokens
+    results.flops, results.last_ms = results.flops + flops, ms
+    seconds = max(step_ms, 1e-6) / 1000
+    peak = peak_tflops(device_name(rt))
+    tflops = flops / seconds / 1e12
+    earlier = run.earlier_train_joules()
+    own = run.energy.local_joules() if rt.world_size == 1 else None  # one rank: its counter is the whole run's
+    run.metrics.write("train", step=step, tokens=run.tokens_through(start_step, step), train_loss=train_loss,
+                      lr_mult=lr_multiplier_at(run, step - 1), step_ms=step_ms,
+                      train_time_ms=run.earlier_train_ms() + ms, tokens_per_s=tokens / seconds, tflops=tflops,
+                      mfu=tflops / (peak * rt.world_size) if peak else None, peak_memory_mib=peak_memory_mib(rt)[0],
+                      energy_j=own + earlier if own is not None and earlier is not None else None)
 
 
 def run_totals(segments: list[dict], batches: BatchSchedule) -> tuple[int, float | None]:
@@ -2799,70 +2813,72 @@ def run_totals(segments: list[dict], batches: BatchSchedule) -> tuple[int, float
     return tokens, None if None in times else sum(times)
 
 
-def finish(run: Run, start_step: int, clock: Clock, results: Results, watch: FiniteWatch,
+def run_energy(segments: list[dict]) -> dict | None:
+    """Each energy phase's joules over all the run's launches, ranks summed (and the ranks that measured); None
+    when a launch could not measure (or an old checkpoint did not record it)."""
+    known = [s["energy_j"] for s in segments]
+    if None in known:
+        return None
+    return {**{phase: sum(e[phase] for e in known) for phase in ENERGY_PHASES}, "ranks": known[-1]["ranks"]}
+
+
+def finish(run: Run, start_step: int, end_step: int, clock: Clock, results: Results, watch: FiniteWatch,
            recompiles: RecompileWatch) -> int:
-    """Memory, energy and final lines, end-of-run samples and checkpoint, then the JSON summary."""
-    args, rt, log, N = run.args, run.rt, run.log, run.args.num_iterations
-    segments = run.segments(start_step, N, clock)
+    """Memory, energy and final lines, end-of-run samples and checkpoint, then the JSON summary and report card."""
+    args, rt, log = run.args, run.rt, run.log
+    segments = run.segments(start_step, end_step, clock)
     tokens, total_ms = run_totals(segments, run.batches)
     peak_mib, memory_line = peak_memory_mib(rt)
-    energy = clock.energy.totals(rt)
-    joules = energy["train"] if energy else None
+    energy = run_energy(segments)
     log.write(memory_line)
-    log.write(energy_line(energy, clock.energy.reason, clock.ms / 1000, segments[-1]["tokens"]))
+    log.write(energy_line(energy, run.energy.reason, (total_ms or clock.ms) / 1000, tokens))
     resumed = {"total_train_time": total_ms, "resumes": len(segments) - 1} if len(segments) > 1 else {}
-    log.write(progress_line(None, N, val_loss=results.val_loss, steps=N, tokens=tokens, train_time=clock.ms,
-                            **({k: v for k, v in resumed.items() if v is not None})))
-    samples = log_samples(run.model, args, run.schedules.windows(N), log) \
-        if args.sample_at_end > 0 and rt.is_master else []
+    log.write(progress_line(None, args.num_iterations, val_loss=results.val_loss, steps=end_step, tokens=tokens,
+                            train_time=clock.ms, **({k: v for k, v in resumed.items() if v is not None})))
+    samples = []
+    if args.sample_at_end > 0 and rt.is_master:
+        from evaluation import log_samples
+        samples = log_samples(run.model, args.sample_at_end, int(run.schedules.windows(end_step)[0]), args.seed, log)
     if args.checkpoint_final:
-        run.save_checkpoint(N, segments, watch)
+        run.save_checkpoint(end_step, segments, watch, results.target)
     if rt.is_master:
-        kwh = joules / 3.6e6 if joules is not None else None
-        stages = [[run.batches.first_step(i), n, a]
-                  for i, (n, a) in enumerate(zip(run.batches.stage_tokens, run.batches.stage_accum))]
-        summary = {"run_id": run.checkpoints.folder.run_id, "git_commit": git_commit(), "preset": args.preset,
-                   "world_size": rt.world_size, "devices": [device_name(rt)] * rt.world_size, "steps": N,
-                   "tokens": tokens, "final_val_loss": results.val_loss, "train_time_ms": clock.ms,
-                   "peak_memory_mib": peak_mib, "energy_j": joules, "energy_kwh": kwh,
-                   "tokens_per_kwh": segments[-1]["tokens"] / kwh if kwh else None, "val_curve": results.val_curve,
-                   "segments": segments, "total_train_time_ms": total_ms, "resumes": len(segments) - 1,
-                   "recompiles_after_warmup": recompiles.count, "step_avg_ms": clock.ms / max(N - start_step, 1),
-                   "runtime": {**rt.resolved(), "grad_accum_steps": run.batches.stage_accum[-1],
-                               "batch_stages": stages},
-                   "hyperparameters": dataclasses.asdict(args), "status": "finished"}
+        summary = run_summary(run, start_step, end_step, clock, results, recompiles, segments, energy, peak_mib)
         if args.hellaswag_every > 0:
             summary["hellaswag_curve"] = results.hellaswag_curve
         if args.sample_at_end > 0:
             summary["samples"] = samples
         write_summary(run.checkpoints.folder.summary, summary, log)
+        write_report(run.checkpoints.folder.report, report_card(summary, args.usd_per_gpu_hour), log)
     return 0
 
 
-def prepare_downstream(args: Hyperparameters, rt: Runtime, context_len: int) -> list | None:
-    """What --hellaswag_every and --sample_at_end need (the tokenizer, the HellaSwag file), loaded before
-    training so that a missing piece stops the run at start-up. Returns this rank's share of the tokenized
-    HellaSwag examples."""
-    if args.sample_at_end <= 0 and args.hellaswag_every <= 0:
-        return None
-    from evaluation import HELLASWAG_PACK_TOKENS, gpt2_tokenizer, load_hellaswag
-    if args.sample_at_end > 0:
-        gpt2_tokenizer()
-    if args.hellaswag_every <= 0:
-        return None
-    items, _ = load_hellaswag(args.hellaswag_data, min(HELLASWAG_PACK_TOKENS, context_len))
-    return items[rt.rank::rt.world_size]
-
-
-def log_samples(model: GPT, args: Hyperparameters, window: Tensor, log: RunLog) -> list[str]:
-    """--sample_at_end: short samples from the final model, one JSON-quoted line each."""
-    from evaluation import end_of_run_samples
-    model.eval()
-    texts = end_of_run_samples(model, args.sample_at_end, int(window[0]), args.seed)
-    model.train()
-    for i, text in enumerate(texts):
-        log.write(f"sample {i + 1}/{len(texts)}: {json.dumps(text)}")
-    return texts
+def run_summary(run: Run, start_step: int, end_step: int, clock: Clock, results: Results,
+                recompiles: RecompileWatch, segments: list[dict], energy: dict | None, peak_mib: float) -> dict:
+    """The run's JSON summary: what records/read_records.py and the report card read."""
+    args, rt = run.args, run.rt
+    tokens, total_ms = run_totals(segments, run.batches)
+    train_s = (total_ms or clock.ms) / 1000
+    kwh = energy["train"] / 3.6e6 if energy else None
+    tflops = results.flops / max(clock.ms / 1000, 1e-9) / 1e12
+    peak = peak_tflops(device_name(rt))
+    walls = [s["wall_time_s"] for s in segments]
+    stages = [[run.batches.first_step(i), n, a]
+              for i, (n, a) in enumerate(zip(run.batches.stage_tokens, run.batches.stage_accum))]
+    return {"run_id": run.checkpoints.folder.run_id, "git_commit": git_commit(), "git_dirty": git_dirty(),
+            "preset": args.preset, "world_size": rt.world_size, "devices": [device_name(rt)] * rt.world_size,
+            "torch": torch.__version__, "python": platform.python_version(), "steps": end_step, "tokens": tokens,
+            "final_val_loss": results.val_loss, "train_time_ms": clock.ms, "peak_memory_mib": peak_mib,
+            "energy_j": energy["train"] if energy else None, "energy_kwh": kwh,
+            "tokens_per_kwh": tokens / kwh if kwh else None, "energy": energy,
+            **({} if energy else {"energy_reason": run.energy.reason or "no rank could read an energy counter"}),
+            "target": results.target or {"val_loss": args.target_val_loss, "step": None},
+            "stopped_at_target": end_step < args.num_iterations, "val_curve": results.val_curve,
+            "segments": segments, "total_train_time_ms": total_ms, "resumes": len(segments) - 1,
+            "wall_time_s": None if None in walls else sum(walls), "tokens_per_s": tokens / train_s,
+            "tflops": tflops, "mfu": tflops / (peak * rt.world_size) if peak else None,
+            "recompiles_after_warmup": recompiles.count, "step_avg_ms": clock.ms / max(end_step - start_step, 1),
+            "runtime": {**rt.resolved(), "grad_accum_steps": run.batches.stage_accum[-1], "batch_stages": stages},
+            "hyperparameters": dataclasses.asdict(args), "status": "finished"}
 
 
 def write_log_header(log: RunLog, args: Hyperparameters, rt: Runtime, run_id: str) -> None:
@@ -2870,30 +2886,39 @@ def write_log_header(log: RunLog, args: Hyperparameters, rt: Runtime, run_id: st
     the first step line."""
     if args.hellaswag_every > 0 or args.sample_at_end > 0:
         import evaluation  # noqa: F401  (imported now, so that its source is embedded below)
-    for name, text in trainer_sources().items():
-        log.write(f"==== {name} ====", echo=False)
-        log.write(text, echo=False)
-        log.write(f"==== end of {name} ====", echo=False)
-    log.write("hyperparameters:", echo=False)
-    for name, value in dataclasses.asdict(args).items():
-        log.write(f"  {name} = {value}", echo=False)
     batches = batch_schedule(args, rt.world_size)
     accum = "/".join(map(str, batches.stage_accum))  # one number per batch stage
-    log.write(f"  (derived) grad_accum_steps = {accum}", echo=False)
-    log.write(f"  (derived) batch_stage_tokens = {'/'.join(map(str, batches.stage_tokens))}", echo=False)
-    for line in environment_lines(rt) if rt.is_master else []:
-        log.write(line, echo=False)
-    log.write(f"run {run_id}: preset {args.preset}, {rt.world_size} rank(s) x {accum} micro-step(s), "
-              f"{device_name(rt)}, attention {rt.attention}, fp8 head {rt.fp8_head}, compile {rt.compile}")
-    if line := left_out_line(args):
-        log.write(line)
-    for line in device_notes(args, rt):
-        log.write(line)
+    write_header(log, trainer_sources(Path(__file__)), dataclasses.asdict(args),
+                 {"grad_accum_steps": accum, "batch_stage_tokens": "/".join(map(str, batches.stage_tokens))},
+                 environment_lines(rt) if rt.is_master else [])
+    for line in [f"run {run_id}: preset {args.preset}, {rt.world_size} rank(s) x {accum} micro-step(s), "
+                 f"{device_name(rt)}, attention {rt.attention}, fp8 head {rt.fp8_head}, compile {rt.compile}",
+                 left_out_line(args), *device_notes(args.fp8_head, rt)]:
+        if line:
+            log.write(line)
 
 
-def trainer_sources() -> dict[str, str]:
-    """This file's source and that of every sibling module it has imported (runlog.trainer_sources)."""
-    return runlog_sources(Path(__file__))
+def out_of_memory(e: BaseException, args: Hyperparameters, rt: Runtime) -> UsageError:
+    """The one line for a device that cannot hold the run: how much it has, and the micro-batch that halves what a
+    micro-step holds while the batch keeps its size (more micro-steps), or what else to try."""
+    total = f"{torch.cuda.get_device_properties(rt.device).total_memory / 2**30:.1f} GiB" if rt.is_cuda else "memory"
+    halves = [n for n in (args.seq_len // 2, args.seq_len // 4) if n >= BLOCK_SIZE and n % BLOCK_SIZE == 0]
+    fits = next((n for n in halves if not sequence_problem(dataclasses.replace(args, seq_len=n), rt.world_size)), None)
+    advice = (f"pass --seq_len={fits} (the same batch in twice the micro-steps)" if fits else
+              "pass a smaller --seq_len that splits every batch stage, or run on more GPUs")
+    reason = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
+    return UsageError(f"the {args.preset} preset's {args.n_layer}-layer model does not fit this device's {total} at "
+                      f"--seq_len={args.seq_len} ({reason}); {advice}; validation holds --val_seq_len="
+                      f"{args.val_seq_len} tokens at once, lower it too if it runs out there")
+
+
+def sequence_problem(args: Hyperparameters, world_size: int) -> str:
+    """Why batch_schedule refuses args on world_size ranks ('' if it does not)."""
+    try:
+        batch_schedule(args, world_size)
+    except UsageError as e:
+        return str(e)
+    return ""
 
 
 def train(argv: list[str], stop: StopSignal) -> int:
@@ -2901,6 +2926,7 @@ def train(argv: list[str], stop: StopSignal) -> int:
     if "--help" in argv or "-h" in argv:
         print(help_text(parse_overrides(Hyperparameters, [a for a in argv if a not in ("--help", "-h")])))
         return EXIT_OK
+    started = time.perf_counter()
     args, rt, folder, checkpoint, notes = start(argv)
     log = RunLog(folder.log if rt.is_master else None)
     lock_run_log(log, folder.run_id)
@@ -2909,13 +2935,15 @@ def train(argv: list[str], stop: StopSignal) -> int:
         clean_stale_staging(folder, log)
         for note in notes:
             log.write(note)
-        run = set_up(args, rt, folder, log)
+        run = set_up(args, rt, folder, log, started)
         try:
             if checkpoint is not None:  # before the warm-up's compiles
                 check_same_tensors(checkpoint, training_state(run.model, run.opt, run.stream, 0), rt,
                                    structure_flags(args))
             warm_up(run)
             return train_loop(run, resume(run, checkpoint), stop, checkpoint)
+        except torch.OutOfMemoryError as e:  # the warm-up is the first step: this is still start-up
+            raise out_of_memory(e, args, rt) from None
         finally:
             run.stream.close()  # no shard reader outlives the run
     except Interrupted as e:
@@ -2928,90 +2956,7 @@ def train(argv: list[str], stop: StopSignal) -> int:
 
 
 # -----------------------------------------------------------------------------
-# Stopping: signals, a failed peer, and the end of a distributed run
-
-class Interrupted(BaseException):
-    """A signal before the training loop: nothing to save yet. A BaseException, like KeyboardInterrupt,
-    so that no `except Exception` on the way (compilers, loaders) swallows or rewraps it."""
-
-    def __init__(self, signum: int):
-        super().__init__(signum)
-        self.signum = signum
-
-
-class StopSignal:
-    """SIGTERM/SIGINT. Before the training loop the first one ends the run at once (Interrupted); in the
-    loop it asks every rank to stop after the current step. A second signal exits at once."""
-
-    def __init__(self):
-        self.signum: int | None = None
-        self.deferred = False
-        self._pending = None  # the previous step's agreement: (waiter, result)
-
-    def install(self) -> "StopSignal":
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, self._handle)
-        return self
-
-    def defer(self) -> "StopSignal":
-        """From here on, a signal is acted upon at a step boundary, where a checkpoint can be written."""
-        self.deferred = True
-        return self
-
-    def _handle(self, signum, frame) -> None:
-        if self.signum is not None:
-            os._exit(128 + signum)
-        self.signum = signum
-        if not self.deferred:
-            raise Interrupted(signum)
-
-    def settle(self) -> int | None:
-        """Waits for the last agreement started, lets go of it, and returns its signal (None: no signal, or
-        none pending). Holding it past the run is not safe: a gloo work still referenced when the interpreter
-        exits is freed after Python is gone (pytorch/pytorch#179291), one way a finished rank can abort at exit."""
-        if self._pending is None:
-            return None
-        waiter, result = self._pending
-        self._pending = None
-        waiter.synchronize() if isinstance(waiter, torch.cuda.Event) else waiter.wait()
-        return int(result.item()) or None  # a host tensor: no device sync
-
-    def agreed(self, rt: Runtime) -> int | None:
-        """The signal all ranks act on at this step: the largest any rank had one call earlier.
-
-        No host sync per step: each call starts an asynchronous MAX all-reduce of this rank's signal
-        and reads the one the previous call started, which finished long ago (on CUDA, waiting for it
-        only keeps the host from running more than about a step ahead of the GPU). Every rank reads the
-        same value at the same step, so all of them stop together, one step after the signal.
-        """
-        if rt.world_size == 1:
-            return self.signum
-        agreed = self.settle()
-        flag = torch.full((1,), self.signum or 0, dtype=torch.int32, device=rt.device)
-        work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True)
-        if rt.is_cuda:
-            work.wait()  # the stream waits for the reduce, the host does not
-            host = torch.empty(1, dtype=torch.int32, pin_memory=True)
-            host.copy_(flag, non_blocking=True)
-            done = torch.cuda.Event()
-            done.record()
-            self._pending = (done, host)
-        else:
-            self._pending = (work, flag)
-        return agreed
-
-
-# gloo words a dead peer differently per operation (a reduce-scatter wait says "Application timeout
-# caused pair closure").
-COLLECTIVE_FAILURE_MARKERS = ("gloo", "NCCL", "Connection reset", "Connection closed", "Timed out", "timed out",
-                              "ProcessGroup", "pair closure")
-
-
-def is_collective_failure(e: Exception) -> bool:
-    """A peer rank died or stopped answering (gloo and NCCL report it as RuntimeError or DistError)."""
-    return isinstance(e, dist.DistError) or (
-        dist.is_initialized() and isinstance(e, RuntimeError) and any(m in str(e) for m in COLLECTIVE_FAILURE_MARKERS))
-
+# The way out: every ending of a run is one line and a clean end of its process group (lifecycle.py)
 
 def main(argv: list[str] | None = None, stop: StopSignal | None = None) -> int:
     """The run's exit status; every way out is one line (a usage error, a failed run, a signal before training,
@@ -3034,21 +2979,6 @@ def main(argv: list[str] | None = None, stop: StopSignal | None = None) -> int:
         return EXIT_PEER_LOST
     finally:
         end_distributed(stop)
-
-
-def end_distributed(stop: StopSignal) -> None:
-    """The one way a run lets go of its process group, on every way out: the pending stop-signal agreement
-    waited for and dropped, objects that still hold the group (meshes, works, in reference cycles) collected,
-    then the group destroyed, which joins gloo's threads. A gloo thread alive when the interpreter exits can
-    take the GIL inside a C++ destructor and abort a finished rank (pytorch/pytorch#190489)."""
-    with contextlib.suppress(RuntimeError, dist.DistError):  # a failed run's error was reported already
-        stop.settle()
-    if dist.is_initialized():
-        failure = sys.exc_info()[1]  # an error on its way out: its traceback's frames may hold a mesh or work
-        if failure is not None:
-            traceback.clear_frames(failure.__traceback__)
-        gc.collect()
-        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -331,9 +331,9 @@ def fake_tokens(n: int) -> torch.Tensor:
 class Scenario:
     """One recipe's model, compiled once; train_step, warm-up and validation measured per world size."""
 
-    def __init__(self, recipe: str, extra: list[str], mode):
+    def __init__(self, preset: str, recipe: str, extra: list[str], mode):
         self.recipe, self.mode = recipe, mode
-        self.args = T.parse_args(["--preset=speedrun", f"--recipe={recipe}", *extra], cuda_available=True)
+        self.args = T.parse_args([f"--preset={preset}", f"--recipe={recipe}", *extra], cuda_available=True)
         kernels = T.choose_kernels(self.args, "cuda", fp8_capable=True)  # what setup_runtime picks on an H100
         self.rt = T.Runtime(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"), dtype=torch.bfloat16,
                             **kernels)
@@ -381,7 +381,7 @@ class Scenario:
         alive, and every later one is the same) and its optimizer step."""
         args, model = self.args, self.model
         windows = T.window_tensor(T.attention_windows(args.num_iterations, args)[0])
-        mtp = [torch.tensor(T.mtp_loss_weights(0, args.num_iterations, args.mtp_tokens))] \
+        mtp = [torch.tensor(T.mtp_loss_weights(0, args.num_iterations, args.mtp_tokens, args.mtp_frac))] \
             if args.mtp_tokens > 1 else []
         model.train()
         for i in range(min(accum, 2)):
@@ -455,6 +455,8 @@ def main(argv: list[str] | None = None) -> int:
     p = OneLineArgumentParser(prog="memory_estimate.py", usage="%(prog)s [options] [-- train_gpt.py flags]",
                               description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 2)[2],
                               formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", default="speedrun", choices=["speedrun", "medium"],
+                   help="train_gpt.py's preset whose shapes are measured (default speedrun)")
     p.add_argument("--recipes", default="reference,v2", help="comma-separated train_gpt.py recipes (reference,v2)")
     p.add_argument("--gpus", default="1,8", help="comma-separated world sizes; the peak of rank 0 is reported "
                    "(rank 0 owns the most Muon matrices)")
@@ -477,7 +479,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--gpus={a.gpus}: comma-separated world sizes of 1 or more")
     try:  # the trainer's own refusals (a bad flag after --, a world size that cannot split the batch)
         for recipe in recipes:
-            args = T.parse_args(["--preset=speedrun", f"--recipe={recipe}", *extra], cuda_available=True)
+            args = T.parse_args([f"--preset={a.preset}", f"--recipe={recipe}", *extra], cuda_available=True)
             for world_size in gpus:
                 T.batch_schedule(args, world_size)
     except T.UsageError as e:
@@ -485,14 +487,14 @@ def main(argv: list[str] | None = None) -> int:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     started = time.perf_counter()
-    print(f"torch {torch.__version__}; fake tensors; train_gpt.py --preset=speedrun --recipe=R "
+    print(f"torch {torch.__version__}; fake tensors; train_gpt.py --preset={a.preset} --recipe=R "
           f"{' '.join(extra)}".rstrip())
     rows = []
     with flex_attention_on_cpu_tensors():
         for recipe in recipes:
             mode = FakeTensorMode(allow_non_fake_inputs=False)
             with mode:
-                scenario = Scenario(recipe, extra, mode)
+                scenario = Scenario(a.preset, recipe, extra, mode)
                 args, rt = scenario.args, scenario.rt
                 print(f"{recipe}: {sum(p.numel() for p in scenario.model.parameters()) / 1e6:.1f}M parameters; "
                       f"seq_len {args.seq_len:,}, val_seq_len {args.val_seq_len:,}; attention={rt.attention} "

@@ -78,9 +78,10 @@ PROGRESS_UNITS = ("J", "ms")
 
 @dataclass
 class ProgressLine:
-    step: int | None  # None for the final line
+    step: int | None  # None for the final and target lines
     total: int | None
     fields: dict[str, float]
+    head: str = "step"  # step | final | target (where the run first reached its target loss)
 
 
 def parse_progress_line(line: str) -> ProgressLine | None:
@@ -89,7 +90,7 @@ def parse_progress_line(line: str) -> ProgressLine | None:
     words = line.strip().split()
     if not words or "{" in line or "}" in line:
         return None
-    if words[0] == "final:":
+    if words[0] in ("final:", "target:"):
         step = total = None
     elif words[0].startswith("step:") and words[0].count("/") == 1:
         s, _, n = words[0][len("step:"):].partition("/")
@@ -108,7 +109,7 @@ def parse_progress_line(line: str) -> ProgressLine | None:
             return None
         if not sep or not name.replace("_", "").isalnum():
             return None
-    return ProgressLine(step, total, values) if values else None
+    return ProgressLine(step, total, values, words[0][:-1] if step is None else "step") if values else None
 
 
 INSTALL_HINT = "pip install -r requirements-extras.txt"
@@ -150,6 +151,13 @@ class Run:
     git_commit: str | None = None
     hyperparameters: dict[str, Any] = field(default_factory=dict)
     val_curve: list[tuple[int, float, float]] = field(default_factory=list)
+    val_tokens: dict[int, int] = field(default_factory=dict)  # training tokens at each validation (metrics file)
+    target_loss: float | None = None  # the run's --target_val_loss, where it records one
+    target_step: int | None = None  # the step of the first validation at or below it
+    target_train_time_ms: float | None = None  # training time up to it, every launch of the run counted
+    target_tokens: int | None = None
+    target_energy_j: float | None = None
+    finished: bool = True  # False: read from a metrics file alone (a crashed run's curve, plotted, never judged)
     group: str = "all"
 
     def to_dict(self) -> dict[str, Any]:
@@ -175,6 +183,12 @@ class Run:
             "git_commit": self.git_commit,
             "hyperparameters": self.hyperparameters,
             "val_curve": [[s, _finite_or_none(v), t] for s, v, t in self.val_curve],
+            "target_loss": self.target_loss,
+            "target_step": self.target_step,
+            "target_train_time_ms": self.target_train_time_ms,
+            "target_tokens": self.target_tokens,
+            "target_energy_j": self.target_energy_j,
+            "finished": self.finished,
         }
 
 
@@ -330,6 +344,18 @@ def parse_project_txt(path: Path, text: str) -> Run:
                     pass
     if run.tokens_per_kwh is None and run.tokens and run.energy_kwh:
         run.tokens_per_kwh = run.tokens / run.energy_kwh
+    for line in body:
+        target = parse_progress_line(line) if line.startswith("target:") else None
+        if target is not None and run.target_step is None:
+            fields = target.fields
+            run.target_loss, run.target_step = fields.get("target_val_loss"), fields.get("steps")
+            run.target_train_time_ms, run.target_tokens = fields.get("train_time"), fields.get("tokens")
+            run.target_energy_j = fields.get("energy")
+    if run.target_loss is None and "target_val_loss" in hyper:
+        try:
+            run.target_loss = float(hyper["target_val_loss"])
+        except ValueError:
+            pass
     return run
 
 
@@ -397,6 +423,10 @@ def parse_json(path: Path) -> Run:
         curve.append((point[0], point[1], point[2] if len(point) > 2 else None))
     devices = data.get("devices") or []
     hyper = data.get("hyperparameters") or {}
+    target = data.get("target") if isinstance(data.get("target"), dict) else {}
+    reached = {"target_loss": target.get("val_loss"), "target_step": target.get("step"),
+               "target_train_time_ms": target.get("train_time_ms"), "target_tokens": target.get("tokens"),
+               "target_energy_j": target.get("energy_j")}
     # The numbers as the file holds them (null: not recorded, for all but the loss); check_run judges them.
     numbers = {name: data[name] for name in RUN_NUMBERS if data.get(name) is not None}
     return Run(
@@ -404,7 +434,7 @@ def parse_json(path: Path) -> Run:
         paths=[str(path)],
         folder=_display_dir(path),
         fmt="project",
-        **{"final_val_loss": None, **numbers},
+        **{"final_val_loss": None, **numbers, **{k: v for k, v in reached.items() if v is not None}},
         devices=[str(d) for d in devices] if isinstance(devices, list) else [str(devices)],
         preset=None if data.get("preset") is None else str(data["preset"]),
         git_commit=data.get("git_commit"),
@@ -420,7 +450,8 @@ def merge(from_json: Run, from_txt: Run) -> Run:
     if not run.val_curve:
         run.val_curve = from_txt.val_curve
     for name in ("steps", "tokens", "train_time_ms", "total_train_time_ms", "world_size", "peak_memory_mib",
-                 "energy_j", "energy_kwh", "tokens_per_kwh", "preset"):
+                 "energy_j", "energy_kwh", "tokens_per_kwh", "preset", "target_loss", "target_step",
+                 "target_train_time_ms", "target_tokens", "target_energy_j"):
         if getattr(run, name) is None:
             setattr(run, name, getattr(from_txt, name))
     if not run.devices:
@@ -446,7 +477,20 @@ AMOUNT = Range(whole=False, lo=0)  # a loss, a time, memory, energy: finite and 
 # a finished run without one is no run.
 RUN_NUMBERS = {"final_val_loss": AMOUNT, "steps": COUNT, "tokens": COUNT, "train_time_ms": AMOUNT,
                "total_train_time_ms": AMOUNT, "resumes": COUNT, "world_size": Range(whole=True, lo=1),
-               "peak_memory_mib": AMOUNT, "energy_j": AMOUNT, "energy_kwh": AMOUNT, "tokens_per_kwh": AMOUNT}
+               "peak_memory_mib": AMOUNT, "energy_j": AMOUNT, "energy_kwh": AMOUNT, "tokens_per_kwh": AMOUNT,
+               "target_loss": AMOUNT, "target_step": COUNT, "target_train_time_ms": AMOUNT, "target_tokens": COUNT,
+               "target_energy_j": AMOUNT}
+# The metrics file's keys, the rule each value meets, and its kinds of record, as runlog.METRIC_KEYS writes them
+# (tests/test_records.py holds the two to each other); a value may be null where the run could not measure it.
+METRIC_RULES = {"step": COUNT, "tokens": COUNT, "train_loss": AMOUNT, "val_loss": AMOUNT, "lr_mult": AMOUNT,
+                "step_ms": AMOUNT, "train_time_ms": AMOUNT, "tokens_per_s": AMOUNT, "tflops": AMOUNT, "mfu": AMOUNT,
+                "peak_memory_mib": AMOUNT, "energy_j": AMOUNT}
+METRIC_KINDS = {
+    "train": ("step", "tokens", "train_loss", "lr_mult", "step_ms", "train_time_ms", "tokens_per_s", "tflops",
+              "mfu", "peak_memory_mib", "energy_j"),
+    "val": ("step", "tokens", "val_loss", "train_time_ms", "energy_j"),
+}
+METRICS_SUFFIX = ".metrics.jsonl"
 
 
 def check_run(run: Run) -> Run:
@@ -484,14 +528,14 @@ def valid_number(name: str, value: object, rule: Range) -> int | float:
 
 
 def find_files(paths: list[str], skipped: list[tuple[str, str]]) -> list[Path]:
-    """Expand the command-line paths into .txt/.json files, in a stable order."""
+    """Expand the command-line paths into .txt/.json/.metrics.jsonl files, in a stable order."""
     found: list[Path] = []
     seen: set[Path] = set()
     for arg in paths:
         p = Path(arg)
         if p.is_dir():
             candidates = sorted(
-                q for q in p.rglob("*") if q.is_file() and q.suffix.lower() in (".txt", ".json")
+                q for q in p.rglob("*") if q.is_file() and q.suffix.lower() in (".txt", ".json", ".jsonl")
             )
         elif p.is_file():
             candidates = [p]
@@ -514,19 +558,22 @@ def read_runs(paths: list[str]) -> tuple[list[Run], list[tuple[str, str]]]:
     by_key: dict[tuple[Path, str], dict[str, Path]] = {}
     order: list[tuple[Path, str]] = []
     for f in files:
-        key = (f.parent.resolve(), f.stem)
+        metrics = f.name.endswith(METRICS_SUFFIX)
+        key = (f.parent.resolve(), f.name.removesuffix(METRICS_SUFFIX) if metrics else f.stem)
+        if f.suffix.lower() == ".jsonl" and not metrics:
+            continue  # some other JSON-lines file
         if key not in by_key:
             by_key[key] = {}
             order.append(key)
-        kind = "json" if f.suffix.lower() == ".json" else "txt"
+        kind = "metrics" if metrics else "json" if f.suffix.lower() == ".json" else "txt"
         by_key[key][kind] = f
 
     runs: list[Run] = []
     for key in order:
         pair = by_key[key]
         parsed: dict[str, Run] = {}
-        for kind, parser in (("json", parse_json), ("txt", parse_txt)):
-            if kind not in pair:
+        for kind, parser in (("json", parse_json), ("txt", parse_txt), ("metrics", parse_metrics_run)):
+            if kind not in pair or kind == "metrics" and parsed:
                 continue
             try:
                 parsed[kind] = check_run(parser(pair[kind]))
@@ -535,10 +582,91 @@ def read_runs(paths: list[str]) -> tuple[list[Run], list[tuple[str, str]]]:
             except Exception as exc:  # one odd file must never stop the rest
                 skipped.append((str(pair[kind]), f"could not parse: {type(exc).__name__}: {exc}"))
         if "json" in parsed and "txt" in parsed:
-            runs.append(merge(parsed["json"], parsed["txt"]))
+            run = merge(parsed["json"], parsed["txt"])
         elif parsed:
-            runs.append(next(iter(parsed.values())))
+            run = next(iter(parsed.values()))
+        else:
+            continue
+        if "metrics" in pair and run.finished:  # a finished run's tokens at each validation come from its metrics
+            run.val_tokens = metrics_val_tokens(pair["metrics"], skipped)
+        runs.append(run)
     return runs, skipped
+
+
+@dataclass
+class Metrics:
+    """What a metrics file held that could be read: its records of each kind by step (the last record of a step
+    wins: a resumed run appends), and why each line that could not be read was skipped."""
+    records: dict[str, dict[int, dict]]
+    skipped: list[str]
+
+
+def read_metrics(path: Path) -> Metrics:
+    """The one reader of <run_id>.metrics.jsonl (runlog.Metrics writes it): every line a JSON object of a known kind
+    whose values meet METRIC_RULES (a number, or null where the run could not measure it). A line that does not (a
+    last line a crash cut short, a wrong type) is skipped with its reason; a key this reader does not know is left
+    out and said once; the rest is read."""
+    try:
+        lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+    except OSError as exc:
+        raise UsageError(f"unreadable file: {exc.strerror or exc}") from None
+    records: dict[str, dict[int, dict]] = {kind: {} for kind in METRIC_KINDS}
+    skipped: list[str] = []
+    unknown: set[str] = set()
+    for index, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            last = index == len(lines)
+            skipped.append(f"line {index}: " + ("cut short (the run stopped while writing it)" if last else
+                                                "not JSON"))
+            continue
+        kind = record.get("kind") if isinstance(record, dict) else None
+        if kind not in METRIC_KINDS:
+            skipped.append(f"line {index}: not a metrics record (kind {kind!r}; known: {', '.join(METRIC_KINDS)})")
+            continue
+        unknown |= set(record) - set(METRIC_KINDS[kind]) - {"kind"}
+        try:
+            values = {key: None if record.get(key) is None else valid_number(key, record[key], METRIC_RULES[key])
+                      for key in METRIC_KINDS[kind]}
+        except UsageError as exc:
+            skipped.append(f"line {index}: {exc}")
+            continue
+        if values["step"] is None:
+            skipped.append(f"line {index}: no step")
+            continue
+        records[kind][values["step"]] = values
+    if unknown:
+        skipped.append(f"unknown key(s) {', '.join(sorted(unknown))} left out")
+    return Metrics(records, skipped)
+
+
+def parse_metrics_run(path: Path) -> Run:
+    """A run known only by its metrics file (its log unfinished or gone): its validation curve, to be plotted; it
+    is never judged against the target."""
+    metrics = read_metrics(path)
+    val = [metrics.records["val"][step] for step in sorted(metrics.records["val"])]
+    if not val:
+        raise UsageError("no validation record" + (f" ({metrics.skipped[0]})" if metrics.skipped else ""))
+    last = val[-1]
+    return Run(name=path.name.removesuffix(METRICS_SUFFIX), paths=[str(path)], folder=_display_dir(path),
+               fmt="metrics", final_val_loss=last["val_loss"], steps=last["step"], tokens=last["tokens"],
+               train_time_ms=last["train_time_ms"], finished=False,
+               val_curve=[(r["step"], r["val_loss"], r["train_time_ms"]) for r in val if r["val_loss"] is not None],
+               val_tokens={r["step"]: r["tokens"] for r in val if r["tokens"] is not None})
+
+
+def metrics_val_tokens(path: Path, skipped: list[tuple[str, str]]) -> dict[int, int]:
+    """The training tokens at each validation step of a metrics file; what could not be read is said once."""
+    try:
+        metrics = read_metrics(path)
+    except UsageError as exc:
+        skipped.append((str(path), str(exc)))
+        return {}
+    skipped += [(str(path), reason) for reason in metrics.skipped]
+    return {step: r["tokens"] for step, r in metrics.records["val"].items() if r["tokens"] is not None}
 
 
 def group_label(run: Run, key: str | None) -> str:
@@ -600,7 +728,8 @@ def group_stats(runs: list[Run], target: float, alpha: float, notes: list[str]) 
     """Per-group statistics of the final validation loss, groups in first-seen order."""
     groups: dict[str, list[Run]] = {}
     for run in runs:
-        groups.setdefault(run.group, []).append(run)
+        if run.finished:  # a crashed run's last validation is not its result
+            groups.setdefault(run.group, []).append(run)
     out = []
     for label, members in groups.items():
         losses = [r.final_val_loss for r in members]
@@ -641,7 +770,8 @@ def _cell(text: str) -> str:
 def render_table(runs: list[Run], grouped: bool) -> str:
     headers = ["run"] + (["group"] if grouped else []) + [
         "devices", "world size", "steps", "tokens", "final val loss",
-        "train time (s)", "resumes", "energy (kWh)", "tokens/kWh"]
+        "train time (s)", "resumes", "energy (kWh)", "tokens/kWh", "target", "steps to target",
+        "time to target (s)"]
     rows = []
     for r in runs:
         ms = r.total_train_time_ms if r.resumes else r.train_time_ms  # a resumed run: all of its segments
@@ -651,11 +781,14 @@ def render_table(runs: list[Run], grouped: bool) -> str:
             _fmt(r.world_size, "d"),
             _fmt(r.steps, "d"),
             _fmt(r.tokens, "d"),
-            _fmt(r.final_val_loss, ".4f"),
+            _fmt(r.final_val_loss, ".4f") + ("" if r.finished else " (unfinished)"),
             _fmt(time_s, ".2f") + (" (total)" if r.resumes and ms is not None else ""),
             _fmt(r.resumes, "d"),
             _fmt(r.energy_kwh, ".4g"),
             _fmt(r.tokens_per_kwh, ".3e"),
+            _fmt(r.target_loss, "g"),
+            _fmt(r.target_step, "d") if r.target_step is not None else ("not reached" if r.target_loss else "n/a"),
+            _fmt(None if r.target_train_time_ms is None else r.target_train_time_ms / 1000.0, ".2f"),
         ]
         rows.append([_cell(c) for c in row])
     lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
@@ -681,14 +814,24 @@ def render_stats(stats: list[dict]) -> str:
     return "\n".join(lines)
 
 
-PLOT_NAMES = ("val_loss_vs_step.png", "val_loss_vs_time.png")
+PLOT_NAMES = ("val_loss_vs_step.png", "val_loss_vs_time.png", "val_loss_vs_tokens.png")
 # Written into each plot's PNG "Software" text: how --plot knows a file of these names is its own to replace.
 PLOT_SOFTWARE = "records/read_records.py"
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
+def curve_points(run: Run, axis: str) -> list[tuple[float, float]]:
+    """(x, val loss) of a run's validations along an axis: step, training time (s) or training tokens (those
+    known from its metrics file); points without a finite x or loss left out."""
+    pick = {"step": lambda s, t: s, "time": lambda s, t: t / 1000.0,
+            "tokens": lambda s, t: run.val_tokens.get(s, math.nan)}[axis]
+    points = [(float(pick(step, time_ms)), loss) for step, loss, time_ms in run.val_curve]
+    return [(x, y) for x, y in points if math.isfinite(x) and math.isfinite(y)]
+
+
 def write_plots(runs: list[Run], outdir: str, grouped: bool, target: float) -> list[str]:
-    """Write val loss vs step and vs training time; return the PNG paths."""
+    """Write val loss against steps, training time and training tokens, a PNG each, every run a line (a group a
+    colour with --group-by) whose legend entry names it and its final loss; return the PNG paths."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -702,15 +845,13 @@ def write_plots(runs: list[Run], outdir: str, grouped: bool, target: float) -> l
     groups = list(dict.fromkeys(r.group for r in with_curve))
     colors = plt.rcParams["axes.prop_cycle"].by_key().get("color", ["C0"])
     written = []
-    for name, xlabel, xpick in (
-        (PLOT_NAMES[0], "step", lambda c: c[0]),
-        (PLOT_NAMES[1], "training time (s)", lambda c: c[2] / 1000.0),
-    ):
-        fig, ax = plt.subplots(figsize=(8, 5), dpi=100)
+    for name, axis, xlabel in zip(PLOT_NAMES, ("step", "time", "tokens"),
+                                  ("step", "training time (s)", "training tokens")):
+        fig, ax = plt.subplots(figsize=(9, 5.5), dpi=100)
         labelled: set[str] = set()
+        drawn = 0
         for i, run in enumerate(with_curve):
-            points = [(xpick(c), c[1]) for c in run.val_curve
-                      if math.isfinite(xpick(c)) and math.isfinite(c[1])]
+            points = curve_points(run, axis)
             if not points:
                 continue
             xs, ys = zip(*points)
@@ -723,14 +864,22 @@ def write_plots(runs: list[Run], outdir: str, grouped: bool, target: float) -> l
                     labelled.add(run.group)
             else:
                 color = colors[i % len(colors)]
-                label = run.name
+                label = f"{run.name}: {run.final_val_loss:.4f}" + ("" if run.finished else " (unfinished)")
             ax.plot(xs, ys, marker=".", color=color, label=label, linewidth=1.2, alpha=0.85)
+            drawn += 1
         ax.axhline(target, color="black", linestyle="--", linewidth=1, label=f"target {target}")
+        if drawn == 0:
+            ax.text(0.5, 0.5, f"no run records its {xlabel} at each validation (the metrics file does)",
+                    transform=ax.transAxes, ha="center")
         ax.set_xlabel(xlabel)
         ax.set_ylabel("validation loss")
         ax.set_title(f"validation loss vs {xlabel}")
         ax.grid(True, alpha=0.3)
-        ax.legend(fontsize="small")
+        entries = len(ax.get_legend_handles_labels()[1])
+        if entries > 8:  # beside the axes, so that many runs never hide the curves
+            ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
+        else:
+            ax.legend(fontsize="small")
         fig.tight_layout()
         path = os.path.join(outdir, name)
         save_png(fig, path)

@@ -1,5 +1,6 @@
 """Shared helpers for tests that run train_gpt.py end to end (tiny shapes, the bundled sample), the runs that
 many tests only read (made once per session), and the one way a test that needs something optional skips."""
+import concurrent.futures
 import contextlib
 import io
 import os
@@ -55,10 +56,41 @@ def run_trainer(args, log_dir, nproc=None, driver=None, timeout=300, env=None):
                           timeout=timeout, env=full_env)
 
 
+def tool(name, *args, env=None):
+    """Runs tools/<name>.py with these arguments in a subprocess (one thread, as run_trainer does)."""
+    return subprocess.run([sys.executable, str(REPO / "tools" / f"{name}.py"), *map(str, args)], cwd=REPO,
+                          capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+
+
+def tool_in_process(name, *args, env=None):
+    """tools/<name>.py in this process as `python tools/<name>.py args` runs it (run_tool(main): its exit status,
+    its one error line), with env added to the environment: what tool() returns, without an interpreter and a
+    torch import to pay for. Not for a tokenizer that must fail to load: tiktoken keeps what it loaded."""
+    import importlib
+    from unittest import mock
+    from tools.loading import run_tool
+    program = importlib.import_module(f"tools.{name}")
+    argv = [str(arg) for arg in args]
+    out, err = io.StringIO(), io.StringIO()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as tool()'s OMP_NUM_THREADS=1
+    try:
+        with mock.patch.dict(os.environ, env or {}), mock.patch.object(sys, "argv", [str(REPO / "tools" / f"{name}.py"),
+                                                                                    *argv]), \
+                contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            status = run_tool(lambda: program.main(argv))
+    finally:
+        torch.set_num_threads(threads)
+    return subprocess.CompletedProcess(argv, status, out.getvalue(), err.getvalue())
+
+
 def run_main(args, log_dir):
-    """train_gpt.main(args) in this process, for runs refused or ended before training: no interpreter and
-    torch import to pay for. Returns what run_trainer returns (exit status, stdout, stderr); restores the
-    signal handlers that main() installs."""
+    """train_gpt.main(args) in this process, for runs refused or ended before training and one-rank runs that need
+    no process of their own: no interpreter and torch import to pay for. Returns what run_trainer returns (exit
+    status, stdout, stderr); restores the signal handlers that main() installs. Not for a run whose log must embed
+    only the siblings train_gpt.py imports itself (it embeds every one this process has imported), nor for one
+    whose files must be closed when it ends (a failed run's may stay open until garbage collection)."""
     import train_gpt as T
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
     out, err = io.StringIO(), io.StringIO()
@@ -73,6 +105,14 @@ def run_main(args, log_dir):
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
     return subprocess.CompletedProcess(argv, status, out.getvalue(), err.getvalue())
+
+
+def side_by_side(here, *elsewhere):
+    """Independent runs at once, the suite's 2 cores each busy: here (a call of run_main) in this thread while each
+    of elsewhere (calls of run_trainer) waits on its processes in a thread of its own. Their results, in order."""
+    with concurrent.futures.ThreadPoolExecutor(len(elsewhere)) as pool:
+        launched = [pool.submit(run) for run in elsewhere]
+        return [here()] + [future.result() for future in launched]
 
 
 def start_two_ranks_until_step_3(args, log):

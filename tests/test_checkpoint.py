@@ -26,10 +26,13 @@ def final_model(log_dir, run_id, step=6):
 def resume_matches_uninterrupted(tmp_path, whole, nproc):
     """The session's uninterrupted six-step run (folder whole) against one stopped after step 3 and resumed."""
     parts = tmp_path / "parts"
-    first = run_trainer(SIX + ["--run_id=first", "--stop_after=3", "--checkpoint_keep=1"], parts, nproc=nproc)
+
+    def launch(args):  # one rank: in this process; more: under torchrun
+        return run_main(args, parts) if nproc is None else run_trainer(args, parts, nproc=nproc)
+    first = launch(SIX + ["--run_id=first", "--stop_after=3", "--checkpoint_keep=1"])
     assert first.returncode == 0, first.stderr[-2000:]
     assert "stopped after step 3 as asked" in (parts / "first.txt").read_text()
-    second = run_trainer(SIX + ["--run_id=second", "--resume=latest", "--checkpoint_final=true"], parts, nproc=nproc)
+    second = launch(SIX + ["--run_id=second", "--resume=latest", "--checkpoint_final=true"])
     assert second.returncode == 0, second.stderr[-2000:]
     if nproc:  # each rank wrote and read a checkpoint (a device mesh over the group), then let every gloo thread go
         for run in (first, second):
@@ -67,7 +70,8 @@ def test_a_two_rank_checkpoint_resumes_on_one_and_on_four_ranks(tmp_path):
     checkpoint = tmp_path / "two" / "step_000003"
     for nproc in (None, 4):
         run_id = f"on{nproc or 1}"
-        resumed = run_trainer(args + [f"--run_id={run_id}", f"--resume={checkpoint}"], tmp_path, nproc=nproc)
+        resume = args + [f"--run_id={run_id}", f"--resume={checkpoint}"]
+        resumed = run_main(resume, tmp_path) if nproc is None else run_trainer(resume, tmp_path, nproc=nproc)
         assert resumed.returncode == 0, resumed.stderr[-2000:]
         losses = train_losses((tmp_path / f"{run_id}.txt").read_text())
         assert sorted(losses) == [4, 5, 6]
@@ -181,7 +185,7 @@ def test_missing_checkpoint_paths_are_clear_errors(tmp_path):
 def test_failed_write_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
     rt = T.Runtime(0, 0, 1, torch.device("cpu"), torch.float32, "banded", False, "off")
     log = T.RunLog(None)
-    state = T.TrainingState(step=1, loader={"epoch": 0, "shard": 0, "pos": 0}, tensors={"model/w": torch.arange(1e3)})
+    state = checkpoints.TrainingState(step=1, loader={"epoch": 0, "shard": 0, "pos": 0}, tensors={"model/w": torch.arange(1e3)})
     saver = checkpoints.Checkpoints(T.RunFolder(tmp_path, "run"), keep=2, place=rt, log=log,
                                     record={"run_id": "run", "source_sha256": "0"})
     good = saver.save(state)

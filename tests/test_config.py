@@ -1,8 +1,11 @@
-"""The speedrun preset is the 2025-01-26 record: every value the record sets, pinned to the record's value
-(records/012625_BatchSize of modded-nanogpt and its train_gpt.py; ../shared/SPEEDRUN_RECIPE.md)."""
+"""train_gpt.py's "Configuration" and "Validation" sections. The speedrun preset is the 2025-01-26 record: every
+value the record sets, pinned to the record's value (records/track_1_short/2025-01-26_BatchSize of modded-nanogpt and its train_gpt.py;
+../shared/SPEEDRUN_RECIPE.md). Then Hyperparameters and parse_args: every field settable from the command line,
+--help, the presets, and the one-line refusal of each flag's out-of-range values (a table covering every field) and
+of values that contradict each other (the batch schedule's stages among them)."""
 import dataclasses
-import re
 import sys
+from dataclasses import fields
 from pathlib import Path
 
 import pytest
@@ -35,36 +38,6 @@ def test_speedrun_preset_is_the_record():
     assert args.val_tokens // args.val_seq_len == 40  # 5 val sequences per rank on 8 GPUs
 
 
-def test_optional_fields_parse_none_and_their_kind():
-    from dataclasses import dataclass
-
-    @dataclass
-    class Fields:
-        lr: float | None = None
-        name: str = "x"
-        steps: "int | None" = 3
-
-    types = T.field_types(Fields)
-    assert types["lr"] == flags.FieldType(float, optional=True) and types["name"] == flags.FieldType(str)
-    assert types["steps"] == flags.FieldType(int, optional=True)
-    assert types["lr"].parse("none") is None and types["lr"].parse("0.5") == 0.5
-    assert types["name"].parse("none") == "none"  # only optional fields take none
-    with pytest.raises(ValueError):
-        types["steps"].parse("1.5")
-
-
-def test_a_field_the_command_line_cannot_set_is_refused_in_one_line():
-    from dataclasses import dataclass, field
-
-    @dataclass
-    class Fields:
-        sizes: list[int] = field(default_factory=list)
-
-    with pytest.raises(T.UsageError, match=r"^hyperparameter sizes is annotated list\[int\], which the command line "
-                                           r"cannot set: use bool, int, float, str, or one of them \| None$"):
-        T.field_types(Fields)
-
-
 def test_every_hyperparameter_has_a_command_line_type():
     types = T.field_types(T.Hyperparameters)
     assert set(types) == {f.name for f in dataclasses.fields(T.Hyperparameters)}
@@ -78,92 +51,138 @@ def test_help_lists_every_flag_in_its_group_with_its_default_and_exits_0(tmp_pat
     text = result.stdout
     flags = [line.split()[0] for line in text.splitlines() if line.startswith("  --")]
     assert [flag.split("=")[0] for flag in flags] == [f"--{f.name}" for f in dataclasses.fields(T.Hyperparameters)]
-    assert "  --seq_len=49152 [cpu: 1024]  R: cut from 64K to 48K per GPU" in text  # default, cpu preset, comment
+    assert "  --seq_len=49152 [cpu: 1024, medium: 16384]  R: cut from 64K to 48K per GPU" in text  # default, presets, doc
     assert "  --value_embeds=true  R: three value-embedding tables" in text and "  --scalar_adam_beta1=none" in text
     headers = [line for line in text.splitlines() if line.endswith(":") and not line.startswith(" ")]
     assert headers[:3] == ["general:", "data:", "batch: one flat sequence of seq_len tokens per rank per micro-step:"]
     assert "checkpoints:" in headers and "optimizers:" in headers
 
 
-def test_the_v2_fidelity_table_states_the_recipes_values():
-    """bench/v2_fidelity.md compares each v2 constant with its record's code; its `flag` column must be what
-    --recipe=v2 --preset=speedrun resolves to, and every row names a record and says same / differs."""
-    table = [line.split("|")[1:-1] for line in (REPO / "bench" / "v2_fidelity.md").read_text().splitlines()
-             if line.startswith("| ") and line.count("|") == 8]
-    header, rows = [c.strip() for c in table[0]], table[1:]
-    assert header == ["technique", "constant", "record", "record's code", "ours", "flag", "note"]
-    args = T.parse_args(["--preset=speedrun", "--recipe=v2"], cuda_available=True)
-    types = T.field_types(T.Hyperparameters)
-    checked = 0
-    for cells in rows:
-        technique, record, flag, note = (cells[i].strip() for i in (0, 2, 5, 6))
-        assert re.match(r"(\d{4}-\d\d-\d\d_\w+|R\b|—)", record) and re.search(r"same|differ", note, re.I), cells
-        for text in re.findall(r"`--(\w+)=([^`]*)`", flag):
-            name, value = text
-            assert getattr(args, name) == types[name].parse(value), (technique, name, value)
-            checked += 1
-    assert checked >= 40
+# ----------------------------------------------------------------------------- presets, and values refused at start-up
+
+def test_presets_resolve():
+    cpu = T.parse_args([], cuda_available=False)
+    assert cpu.preset == "cpu" and cpu.n_layer == T.PRESETS["cpu"]["n_layer"] and cpu.model_dim == 256
+    gpu = T.parse_args([], cuda_available=True)
+    assert gpu.preset == "speedrun" and gpu == T.Hyperparameters(preset="speedrun")
+    forced = T.parse_args(["--preset=speedrun"], cuda_available=False)
+    assert (forced.preset, forced.n_layer, forced.model_dim, forced.seq_len) == ("speedrun", 12, 768, 48 * 1024)
+    over = T.parse_args(["--preset=cpu", "--n_layer=4"], False)
+    assert over.n_layer == 4 and over.model_dim == 256  # an override wins over the preset, the rest stays
+    with pytest.raises(T.UsageError, match="unknown preset 'tiny'.*speedrun, cpu"):
+        T.parse_args(["--preset=tiny"], False)
 
 
-# ----------------------------------------------------------------------------- recipe v2's techniques
-
-def readme_recipes_rows():
-    """(flags, record folders) of each row of the README's Recipes table."""
-    text = (REPO / "README.md").read_text()
-    table = text[text.index("| technique | flags (v2 value) | record folder"):].split("\n\n")[0].splitlines()[2:]
-    rows = [line.split(" | ") for line in table]
-    return [(set(re.findall(r"`(\w+)`", row[1])), set(re.findall(r"\d{4}-\d\d-\d\d_\w+", row[2]))) for row in rows]
+@pytest.mark.parametrize("arg", ["--seq_len=1000", "--val_seq_len=129"])
+def test_seq_len_not_multiple_of_block_refused(arg):
+    name, value = arg[2:].split("=")
+    with pytest.raises(T.UsageError, match=f"--{name}={value} is not a multiple of the 128-token block"):
+        T.parse_args(["--preset=cpu", arg], False)
 
 
-def test_the_readme_recipes_table_lists_every_technique_with_its_flags_and_records():
-    """Each README row belongs to one declared technique (by its record folders); each technique's records and
-    flags all appear in its rows."""
-    owners = {record: t for t in T.TECHNIQUES for record in t.records}
-    seen = {t.name: (set(), set()) for t in T.TECHNIQUES}
-    for names, records in readme_recipes_rows():
-        techniques = {owners[r].name for r in records if r in owners}
-        assert len(techniques) == 1 and records <= set(owners), (names, records)
-        seen[techniques.pop()][0].update(names)
-        seen[owners[next(iter(records))].name][1].update(records)
-    for t in T.TECHNIQUES:
-        assert set(t.flags) <= seen[t.name][0] and set(t.records) == seen[t.name][1], t.name
+@pytest.mark.parametrize("arg, match", [("--dtype=fp16", "bf16, fp32"), ("--attention=xformers", "flex, banded"),
+                                        ("--n_layer=3", "even depth"), ("--num_iterations=0", "at least 1")])
+def test_other_invalid_settings_refused(arg, match):
+    with pytest.raises(T.UsageError, match=match):
+        T.parse_args(["--preset=cpu", arg], False)
 
 
-def test_each_flag_is_owned_by_at_most_one_technique_and_every_preset_is_decided():
-    fields = {f.name for f in dataclasses.fields(T.Hyperparameters)}
-    owned = [name for t in T.TECHNIQUES for name in t.flags]
-    assert len(owned) == len(set(owned)) and set(owned) <= fields
-    for t in T.TECHNIQUES:
-        assert set(t.v2) | set(t.left_out) == set(T.PRESETS) and not set(t.v2) & set(t.left_out), t.name
-        assert all(set(values) <= fields for values in t.v2.values()), t.name
+# ----------------------------------------------------------------------------- validation: every flag's range
+
+# Every flag validated at start-up: a table that must cover every field of Hyperparameters.
+BAD_VALUES = {  # field: (a value just inside the valid range, values outside it)
+    "preset": ("cpu", ["fast"]), "seed": ("0", ["-1"]), "train_files": ("x", [""]), "val_files": ("x", [""]),
+    "val_tokens": ("1024", ["0", "-1024"]), "train_cycle": ("true", ["maybe"]), "bos_align": ("false", ["2"]),
+    "batch_tokens": ("1024", ["0"]), "seq_len": ("128", ["0", "-128"]), "val_seq_len": ("128", ["0"]),
+    "num_iterations": ("1", ["0"]), "cooldown_frac": ("0", ["-0.1", "1.5", "nan"]),
+    "lr_final_frac": ("1", ["inf", "-1"]), "val_every": ("0", ["-1"]), "window_final_tokens": ("1", ["0"]),
+    "sliding_window": ("true", ["x"]), "vocab_size": ("1", ["0"]), "n_layer": ("2", ["0"]),
+    "model_dim": ("1", ["0"]), "n_head": ("1", ["0"]), "head_dim": ("4", ["0"]),
+    "attn_scale": ("0.01", ["0", "nan"]), "logit_softcap": ("0", ["-1", "inf"]), "value_embeds": ("1", ["x"]),
+    "unet_skips": ("0", ["x"]), "zero_init": ("on", ["x"]), "qk_norm": ("off", ["x"]),
+    "mlp_act": ("gelu", ["swish"]), "muon": ("yes", ["x"]), "muon_lr": ("0", ["nan", "-0.1", "inf"]),
+    "muon_momentum": ("0", ["1", "1.5"]), "muon_momentum_start": ("0.99", ["1"]),
+    "muon_momentum_warmup_steps": ("0", ["-1"]), "ns_steps": ("1", ["0"]), "adam_beta1": ("0", ["1", "-0.1"]),
+    "adam_beta2": ("0.999", ["1.5", "1"]), "adam_eps": ("1e-30", ["0", "nan"]), "head_lr": ("0", ["nan"]),
+    "embed_lr": ("0", ["-1"]), "scalar_lr": ("0", ["nan"]), "matrix_adam_lr": ("0", ["inf"]),
+    "weight_decay": ("0", ["-0.1", "nan"]), "dtype": ("fp32", ["fp16"]), "fp8_head": ("false", ["x"]),
+    "attention": ("banded", ["xformers"]), "compile": ("off", ["always"]), "warmup_steps": ("0", ["-1"]),
+    "coordinate_descent_tuning": ("false", ["maybe"]),
+    "collective_timeout_s": ("1", ["0", "-5"]), "log_dir": ("logs", [""]),
+    "run_id": ("a.b-c_1", ["../../x", "a/b", "..", ".hidden", "a\\b"]), "log_train_loss": ("true", ["x"]),
+    "profile_steps": ("0", ["-1"]), "checkpoint_every": ("0", ["-1"]), "checkpoint_final": ("true", ["x"]),
+    "target_val_loss": ("2.92", ["0", "-1", "nan"]), "stop_at_target": ("true", ["x"]), "tensorboard": ("on", ["x"]),
+    "usd_per_gpu_hour": ("0", ["-1", "inf"]),
+    "hellaswag_every": ("0", ["-1"]), "hellaswag_data": ("", []), "sample_at_end": ("0", ["-2"]),
+    "checkpoint_keep": ("1", ["0"]), "resume": ("latest", []),  # any text; a bad folder fails at start-up
+    "stop_after": ("0", ["-1"]),
+    # recipe v2: the batch schedule, the optimizers and the data
+    "recipe": ("v2", ["v3"]), "doc_len_cap": ("0", ["-1"]), "batch_schedule": ("1/2,1", ["0", "1/2,3/2", "half"]),
+    "batch_lr_exponent": ("0", ["-0.5", "nan"]), "polar_express": ("true", ["x"]), "normuon": ("true", ["x"]),
+    "normuon_beta2": ("0", ["1", "-0.1"]), "cautious_wd": ("true", ["x"]), "muon_cautious_wd": ("0", ["-1"]),
+    "adam_cautious_wd": ("0", ["nan"]), "scalar_adam_beta1": ("none", ["1", "x"]),
+    "scalar_adam_beta2": ("0.99", ["1.5"]),
+    # recipe v2: the model techniques
+    "bigram_vocab_size": ("0", ["-1"]), "bigram_dim": ("0", ["-1"]), "bigram_sign": ("false", ["x"]),
+    "smear": ("true", ["x"]), "attn_gate": ("true", ["x"]), "ve_gates": ("true", ["x"]), "skip_gates": ("true", ["x"]),
+    "backout": ("true", ["x"]), "key_offset": ("true", ["x"]), "paired_heads": ("true", ["x"]),
+    "logit_offset": ("-5", ["nan", "inf"]), "logit_temperature": ("0.5", ["0", "nan"]), "mtp_tokens": ("1", ["0"]),
+    "mtp_frac": ("1", ["0", "1.5", "nan"]),
+    # track 2's techniques (the medium preset)
+    "value_embed_tables": ("1", ["0", "-3"]), "attention_free_layer": ("false", ["x"]), "short_window_cap": ("0", ["-1"]),
+    "window_stages": ("3,7", ["0", "3,x", "-1,2"]),
+}
 
 
-@pytest.mark.parametrize("preset", ["speedrun", "cpu"])
-def test_recipe_v2_turns_on_exactly_the_techniques_declared_for_the_preset_and_off_turns_each_off(preset):
-    reference = T.parse_args([f"--preset={preset}"], False)
-    v2 = T.parse_args([f"--preset={preset}", "--recipe=v2"], False)
-    assert not [t.name for t in T.TECHNIQUES if t.is_on(reference)]
-    assert [t.name for t in T.TECHNIQUES if t.is_on(v2)] == [t.name for t in T.TECHNIQUES if preset in t.v2]
-    for t in T.TECHNIQUES:
-        if preset in t.v2:
-            off = T.parse_args([f"--preset={preset}", "--recipe=v2", *T.as_flags(t.off(preset))], False)
-            assert [u.name for u in T.TECHNIQUES if u.is_on(off)] == [u.name for u in T.TECHNIQUES
-                                                                     if preset in u.v2 and u is not t], t.name
+def test_every_hyperparameter_has_a_rule_and_bad_values_here():
+    names = {f.name for f in fields(T.Hyperparameters)}
+    assert set(BAD_VALUES) == names and set(T.FLAG_RULES) == names
 
 
-def test_every_gate_parameter_has_its_techniques_lr_and_every_declared_gate_exists():
-    import torch
-    with torch.device("meta"):
-        model = T.GPT(T.ModelConfig.of(T.parse_args(["--preset=speedrun", "--recipe=v2"], False)))
-    gates = {name.rsplit(".", 1)[-1] for name, _ in model.named_parameters() if name.endswith("_gate")}
-    declared = {name for t in T.TECHNIQUES for name in t.gate_lrs}
-    assert gates == declared == {"smear_gate", "attn_gate", "ve_gate", "skip_gate"}
+@pytest.mark.parametrize("name", sorted(BAD_VALUES))
+def test_every_flag_refuses_a_bad_value_in_one_line_naming_it(name):
+    good, bad = BAD_VALUES[name]
+    base = ["--preset=cpu"] + (["--val_tokens=1024", "--val_seq_len=128"] if name in ("val_tokens", "val_seq_len")
+                               else [])
+    base += ["--value_embeds=false"] if name in ("model_dim", "n_head", "head_dim") else []  # frees the width
+    T.parse_args(base + [f"--{name}={good}"], False)
+    for value in bad:
+        with pytest.raises(T.UsageError) as e:
+            T.parse_args(base + [f"--{name}={value}"], False)
+        message = str(e.value)
+        assert name in message and "\n" not in message  # names the flag
+        assert "valid" in message or "expected" in message  # says what is accepted
 
 
-def test_the_cpu_v2_run_log_names_what_it_leaves_out_and_the_flags_that_add_it():
-    line = T.left_out_line(T.parse_args(["--preset=cpu", "--recipe=v2"], False))
-    assert line.startswith("recipe v2 on the cpu preset leaves out doc_align: ") and "\n" not in line
-    assert "--logit_softcap=23.0 --logit_offset=5.0 adds it" in line and "--mtp_tokens=3 adds it" in line
-    assert "mtp" not in T.left_out_line(T.parse_args(["--preset=cpu", "--recipe=v2", "--mtp_tokens=3"], False))
-    assert T.left_out_line(T.parse_args(["--preset=speedrun", "--recipe=v2"], False)) is None
-    assert T.left_out_line(T.parse_args(["--preset=cpu"], False)) is None
+# ----------------------------------------------------------------------------- validation: the batch schedule's stages
+
+@pytest.mark.parametrize("flags, match", [
+    (["--batch_tokens=4096", "--batch_schedule=1/3,1"], "stage 1/3 of --batch_tokens=4096 is 1365.33 tokens"),
+    (["--batch_tokens=4096", "--batch_schedule=1/8,1"], "stage 1/8 of --batch_tokens=4096 is 512 tokens, not whole "
+                                                       "sequences of --seq_len=1024"),
+    (["--batch_schedule=1/2,0"], "bad value '1/2,0' for --batch_schedule"),
+])
+def test_a_stage_that_is_not_whole_sequences_is_refused_at_start_up(flags, match):
+    with pytest.raises(T.UsageError, match=match):
+        T.parse_args(["--preset=cpu"] + flags, False)
+
+
+@pytest.mark.parametrize("schedule, message", [
+    ("1/2,1/3", "--batch_schedule=1/2,1/3 shrinks the batch; the stages must grow"),
+    ("1,1/2", "--batch_schedule=1,1/2 shrinks the batch"),
+    ("1/4,1/2", "--batch_schedule=1/4,1/2 never reaches --batch_tokens=2048: its last stage must be 1"),
+    ("1/3,2/3,1", "stage 1/3 of --batch_tokens=2048 is 682.667 tokens, not whole sequences of --seq_len=1024; use "
+                  "multiples of 1/2 (one sequence) for every stage"),
+])
+def test_a_batch_schedule_that_shrinks_stops_short_or_splits_sequences_is_refused(schedule, message):
+    with pytest.raises(T.UsageError) as e:
+        T.parse_args(["--preset=cpu", f"--batch_schedule={schedule}"], False)
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_batch_schedule_with_more_stages_than_steps_is_refused():
+    """The probe: 10 stages over 3 steps trained 2,048 + 6,144 + 6,144 tokens and never the 4,096-token stage."""
+    with pytest.raises(T.UsageError) as e:
+        T.parse_args(["--recipe=v2", "--batch_schedule=1/3,2/3,1,1,1,1,1,1,1,1", "--num_iterations=3"], False)
+    assert "has 10 stages but --num_iterations=3 has fewer steps; every stage needs at least one step" in str(e.value)
+    T.parse_args(["--recipe=v2", "--num_iterations=3"], False)  # one step per stage is enough

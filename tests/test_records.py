@@ -328,7 +328,7 @@ def test_cli_table_and_stats():
     gpu1 = [r for r in rows if r.startswith("| gpu_s1 |")][0]
     assert "8x NVIDIA H100 80GB HBM3" in gpu1 and "3.2712" in gpu1 and "10485760" in gpu1
     cpu2 = [r for r in rows if r.startswith("| cpu_s2 |")][0]
-    assert cpu2.count("n/a") == 2  # no energy, no tokens/kWh
+    assert cpu2.endswith("| n/a | n/a | n/a | n/a | n/a |")  # no energy, no tokens/kWh, no target recorded
     losses = [6.1234, 6.1302, 3.2712, 3.2745, 3.2731]
     assert f"mean final val loss {np.mean(losses):.4f}" in out
     assert f"std {np.std(losses, ddof=1):.4f}" in out
@@ -511,3 +511,43 @@ def test_a_run_rebuilt_from_its_logs_embedded_sources_reruns_to_the_same_losses(
     refused = subprocess.run([sys.executable, str(REPO / "records" / "rebuild_run.py"), str(log), str(out)],
                              capture_output=True, text=True, timeout=60)
     assert refused.returncode == 2 and "already holds train_gpt.py" in refused.stderr  # never over a file
+
+
+@needs_matplotlib
+def test_curves_of_several_runs_are_plotted_from_their_metrics_files_against_steps_time_and_tokens(tmp_path, tiny_run):
+    """Two real runs (the tiny run, and a copy whose log and summary are gone, as after a crash): both curves are
+    drawn on each of the three plots from their metrics files; the log-less one is in the table as unfinished and
+    left out of the statistics; the legend names each run with its final loss."""
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    for suffix in (".txt", ".json", ".metrics.jsonl"):
+        shutil.copy(tiny_run / f"tiny{suffix}", logs / f"tiny{suffix}")
+    shutil.copy(tiny_run / "tiny.metrics.jsonl", logs / "crashed.metrics.jsonl")
+    runs, skipped = rr.read_runs([str(logs)])
+    assert not skipped and [(r.name, r.finished) for r in runs] == [("crashed", False), ("tiny", True)]
+    assert runs[1].val_tokens == {0: 0, 2: 1024, 4: 2048} and rr.curve_points(runs[1], "tokens")[-1][0] == 2048
+    proc = run_cli(logs, "--plot", tmp_path / "plots", "--target", "5.7")
+    assert proc.returncode == 0, proc.stderr
+    assert "n=1 finished runs" in proc.stdout and "(unfinished)" in proc.stdout
+    import matplotlib.pyplot as plt
+    drawn = {}
+    real_save = rr.save_png
+
+    def keep_legend(fig, path):  # what each plot shows: its legend's entries and the lines' points
+        ax = fig.axes[0]
+        drawn[Path(path).name] = ([t.get_text() for t in ax.get_legend().get_texts()],
+                                  [list(line.get_xdata()) for line in ax.get_lines() if line.get_label() != "_nolegend_"])
+        real_save(fig, path)
+    rr.save_png = keep_legend
+    try:
+        runs = rr.read_runs([str(logs)])[0]
+        rr.write_plots(runs, str(tmp_path / "again"), grouped=False, target=5.7)
+    finally:
+        rr.save_png = real_save
+    plt.close("all")
+    final = runs[1].final_val_loss
+    assert sorted(drawn) == sorted(rr.PLOT_NAMES) and len(rr.PLOT_NAMES) == 3
+    for name, (legend, lines) in drawn.items():
+        assert legend == [f"crashed: {final:.4f} (unfinished)", f"tiny: {final:.4f}", "target 5.7"], name
+    assert drawn["val_loss_vs_tokens.png"][1][:2] == [[0.0, 1024.0, 2048.0]] * 2
+    assert drawn["val_loss_vs_step.png"][1][:2] == [[0.0, 2.0, 4.0]] * 2

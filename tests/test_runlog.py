@@ -1,4 +1,7 @@
-"""Run log and accounting of train_gpt.py: energy counters, the energy line, profiler traces."""
+"""runlog.py and what the loop records with it: the energy counters and their phases, the energy line, profiler
+traces, the metrics file (and TensorBoard), progress bars on a terminal, the target loss, the report card, and
+energy continued across a resume."""
+import concurrent.futures
 import json
 import subprocess
 import sys
@@ -175,5 +178,261 @@ def test_the_loop_counts_training_energy_and_not_validation(tmp_path, monkeypatc
     assert T.main(TINY + ["--run_id=energy", f"--log_dir={tmp_path}"]) == 0
     summary = json.loads((tmp_path / "energy.json").read_text())
     assert summary["energy_j"] == pytest.approx(4.0)
+    assert summary["energy"] == {"train": pytest.approx(4.0), "warmup": 0.0, "validation": pytest.approx(3000.0),
+                                 "ranks": 1}  # the three validations, counted apart
     assert [line.fields.get("energy") for line in map(parse_progress_line, (tmp_path / "energy.txt").read_text()
             .splitlines()) if line is not None and "val_loss" in line.fields and line.step is not None] == [0, 2, 4]
+
+
+# ---------------------------------------------------------------- the metrics file, read back by its one reader
+
+def reader():
+    sys.path.insert(0, str(REPO))
+    from records import read_records
+    return read_records
+
+
+def test_a_runs_metrics_file_holds_every_step_and_validation_and_the_reader_reads_it_back(tiny_run):
+    """The tiny run (4 steps of 512 tokens, validations at 0, 2, 4): one train record per step and one val record
+    per validation, with the log's losses, the schedule's lr multipliers, cumulative tokens and positive
+    throughput; no MFU on a CPU (no peak known), no energy without a counter."""
+    rr = reader()
+    metrics = rr.read_metrics(tiny_run / "tiny.metrics.jsonl")
+    assert metrics.skipped == []
+    train, val = metrics.records["train"], metrics.records["val"]
+    assert sorted(train) == [1, 2, 3, 4] and sorted(val) == [0, 2, 4]
+    args = T.parse_args(TINY, False)
+    log = (tiny_run / "tiny.txt").read_text()
+    logged_train = {s: v for s, v in train_losses_of(log).items()}
+    for step, record in train.items():
+        assert set(record) == set(rr.METRIC_KINDS["train"])
+        assert record["tokens"] == 512 * step and record["step_ms"] > 0 and record["tokens_per_s"] > 0
+        assert record["lr_mult"] == T.lr_multiplier(step - 1, 4, args.cooldown_frac, args.lr_final_frac)
+        assert round(record["train_loss"], 4) == logged_train[step] and record["tflops"] > 0
+        assert record["mfu"] is None and record["peak_memory_mib"] > 0
+    assert train[4]["train_time_ms"] == pytest.approx(sum(r["step_ms"] for r in train.values()))
+    summary = json.loads((tiny_run / "tiny.json").read_text())
+    assert [[s, r["val_loss"], r["train_time_ms"]] for s, r in sorted(val.items())] == summary["val_curve"]
+    assert [val[s]["tokens"] for s in (0, 2, 4)] == [0, 1024, 2048]
+
+
+def train_losses_of(log):
+    from conftest import train_losses
+    return train_losses(log)
+
+
+def test_the_readers_metric_keys_are_the_writers(tiny_run):
+    rr = reader()
+    assert rr.METRIC_KINDS == {kind: keys for kind, keys in runlog.METRIC_KEYS.items()}
+    assert set(rr.METRIC_RULES) == {key for keys in runlog.METRIC_KEYS.values() for key in keys}
+
+
+def test_a_torn_or_odd_metrics_file_is_read_as_far_as_it_can_be(tmp_path):
+    """A crash mid-line, a wrong type, a kind or key this reader does not know: each skipped with a reason, the rest
+    read; a later record of a step (a resumed run) replaces the earlier one; the command line never fails on it."""
+    rr = reader()
+    path = tmp_path / "r.metrics.jsonl"
+    good = {"kind": "val", "step": 0, "tokens": 0, "val_loss": 10.8, "train_time_ms": 0.0, "energy_j": None}
+    lines = [json.dumps(good), json.dumps({**good, "step": 2, "val_loss": "low"}),
+             json.dumps({**good, "step": 4, "val_loss": 9.0, "mystery": 1}), json.dumps({"kind": "hellaswag", "step": 4}),
+             json.dumps({**good, "step": 4, "val_loss": 8.5}), '{"kind": "val", "step": 6, "val_lo']
+    path.write_text("\n".join(lines))
+    metrics = rr.read_metrics(path)
+    assert sorted(metrics.records["val"]) == [0, 4] and metrics.records["val"][4]["val_loss"] == 8.5
+    assert metrics.skipped == ['line 2: bad value "low" for val_loss; valid: a finite number >= 0',
+                               "line 4: not a metrics record (kind 'hellaswag'; known: train, val)",
+                               "line 6: cut short (the run stopped while writing it)", "unknown key(s) mystery left out"]
+    out = subprocess.run([sys.executable, str(REPO / "records" / "read_records.py"), str(path)], capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 0 and "| r |" in out.stdout and "(unfinished)" in out.stdout, out.stderr
+    assert "Traceback" not in out.stderr and f"skipped {path}: line 6: cut short" not in out.stderr
+
+
+def test_tensorboard_gets_the_same_scalars_or_one_line_when_it_is_missing(tmp_path, monkeypatch):
+    base = TINY + ["--num_iterations=2", "--val_every=0", "--tensorboard=true"]
+    pytest.importorskip("tensorboard", reason="the tensorboard package (requirements-extras.txt) is not installed")
+    assert T.main(base + ["--run_id=tb", f"--log_dir={tmp_path}"]) == 0
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    events = EventAccumulator(str(tmp_path / "tb.tensorboard"))
+    events.Reload()
+    assert {"train/train_loss", "train/tokens_per_s", "val/val_loss"} <= set(events.Tags()["scalars"])
+    assert [e.step for e in events.Scalars("train/train_loss")] == [1, 2]
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # as if the package were not installed
+    from conftest import run_main
+    result = run_main(base + ["--run_id=no_tb"], tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.count("--tensorboard=true needs the tensorboard package: pip install tensorboard") == 1
+    assert (tmp_path / "no_tb.metrics.jsonl").read_text().count('"kind": "train"') == 2  # the metrics file has them
+
+
+# ---------------------------------------------------------------- progress a person can read
+
+def test_progress_bars_show_on_a_terminal_and_nowhere_else(tmp_path):
+    """On a terminal, stderr carries tqdm bars for the shard checks, the warm-up and the training; through a pipe
+    (CI, a redirected log) not a byte of them, and the run log never holds one."""
+    import fcntl
+    import os
+    import pty
+    import struct
+    import termios
+    args = [sys.executable, str(REPO / "train_gpt.py")] + TINY + ["--warmup_steps=1", "--val_every=0"]
+    controller, terminal = pty.openpty()
+    fcntl.ioctl(terminal, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 120, 0, 0))  # a terminal 120 columns wide
+    proc = subprocess.Popen(args + ["--run_id=tty", f"--log_dir={tmp_path}"], cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=terminal, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    os.close(terminal)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:  # the piped run meanwhile, on the other core
+        piped = pool.submit(run_trainer, TINY + ["--warmup_steps=1", "--val_every=0", "--run_id=pipe"], tmp_path)
+        shown = read_until_closed(controller)
+        assert proc.wait(timeout=300) == 0
+        piped = piped.result()
+    os.close(controller)
+    text = shown.decode(errors="replace")
+    assert "checking shards" in text and "compile and warm-up" in text and "training: " in text and "step/s" in text
+    assert piped.returncode == 0 and piped.stderr == "" and "\r" not in piped.stdout
+    assert "step/s" not in (tmp_path / "tty.txt").read_text()
+
+
+def read_until_closed(controller: int) -> bytes:
+    """What a pseudo-terminal shows until its other end closes."""
+    import os
+    shown = b""
+    while True:
+        try:
+            chunk = os.read(controller, 4096)
+        except OSError:  # the terminal closed: the run ended
+            break
+        if not chunk:
+            break
+        shown += chunk
+    return shown
+
+
+# ---------------------------------------------------------------- the target loss, the report card
+
+def test_the_target_marks_the_run_and_can_stop_it(tmp_path):
+    """--target_val_loss: the first validation at or below it writes one target line (steps, time, tokens) into the
+    log and its place into the summary, the metrics and the report card; --stop_at_target ends the run there,
+    with a final line at that step. The reader reports steps and time to target from the log or the summary."""
+    from conftest import run_main
+    base = TINY + ["--num_iterations=6", "--val_every=2", "--target_val_loss=10.7"]
+    assert run_main(base + ["--run_id=marks"], tmp_path).returncode == 0
+    marks = json.loads((tmp_path / "marks.json").read_text())
+    reached = marks["target"]
+    assert reached["step"] == 2 and reached["val_loss"] == 10.7 and reached["tokens"] == 1024
+    assert reached["reached_val_loss"] == marks["val_curve"][1][1] <= 10.7 < marks["val_curve"][0][1]
+    assert marks["steps"] == 6 and not marks["stopped_at_target"]
+    log = (tmp_path / "marks.txt").read_text()
+    (target_line,) = [line for line in log.splitlines() if line.startswith("target:")]
+    assert parse_progress_line(target_line).fields == {
+        "val_loss": round(reached["reached_val_loss"], 4), "target_val_loss": 10.7, "steps": 2, "tokens": 1024,
+        "train_time": round(reached["train_time_ms"])}
+    card = (tmp_path / "marks.md").read_text()
+    assert "| target | val loss <= 10.7: reached at step 2, " in card
+    stopped = run_main(base + ["--run_id=stops", "--stop_at_target=true"], tmp_path)
+    assert stopped.returncode == 0, stopped.stderr
+    summary = json.loads((tmp_path / "stops.json").read_text())
+    assert summary["steps"] == 2 and summary["stopped_at_target"] and summary["target"]["step"] == 2
+    assert [p[0] for p in summary["val_curve"]] == [0, 2] and "final: val_loss:" in stopped.stdout
+    rr = reader()
+    for path in (tmp_path / "marks.txt", tmp_path / "marks.json"):  # each of the trainer's files, read alone
+        (run,), skipped = rr.read_runs([str(path)])
+        assert not skipped and (run.target_step, run.target_loss) == (2, 10.7), path
+        assert run.target_train_time_ms == pytest.approx(reached["train_time_ms"], abs=1), path
+    table = subprocess.run([sys.executable, str(REPO / "records" / "read_records.py"), str(tmp_path / "marks.json")],
+                           capture_output=True, text=True, timeout=60).stdout
+    assert f"| 10.7 | 2 | {reached['train_time_ms'] / 1000:.2f} |" in table
+
+
+def test_the_report_card_says_what_a_person_reads_first(tiny_run):
+    card = (tiny_run / "tiny.md").read_text()
+    summary = json.loads((tiny_run / "tiny.json").read_text())
+    for row in ("| run | tiny: preset cpu, recipe reference, seed 0 |", f"| code | commit {summary['git_commit']}",
+                f"| hardware | 1 x {summary['devices'][0]} |", f"| software | torch {torch.__version__}, python",
+                f"| final val loss | {summary['final_val_loss']:.4f} after 4 steps, 2,048 tokens |",
+                "| target | val loss <= 5.7: not reached |", "| throughput | ", "MFU n/a",
+                "| peak memory | ", "| energy | n/a: "):
+        assert row in card, (row, card)
+    assert "| cost |" not in card  # a CPU run is not priced per GPU-hour
+    gpu = {**summary, "devices": ["NVIDIA H100 80GB HBM3"] * 8, "world_size": 8, "total_train_time_ms": 180_000,
+           "wall_time_s": 600.0, "energy": {"train": 7.2e6, "warmup": 1e5, "validation": 2e4, "ranks": 8},
+           "tokens_per_kwh": 3e8, "target": {"val_loss": 3.28, "step": 1750, "train_time_ms": 178_000,
+                                             "tokens": 688_128_000, "energy_j": 7.1e6}}
+    priced = runlog.report_card(gpu, usd_per_gpu_hour=3.0)
+    assert "| cost | $1.20 of training, $4.00 wall clock at $3 per GPU-hour x 8 GPU(s) |" in priced
+    assert "| target | val loss <= 3.28: reached at step 1750, 178.0 s of training, 688,128,000 tokens, energy 7100000 J |" \
+        in priced
+    assert "training 7200000 J (2.000000 kWh, 3.000e+08 tokens/kWh); warm-up and compile 100000 J; validation " \
+           "20000 J" in priced
+    assert "pass --usd_per_gpu_hour=PRICE" in runlog.report_card(gpu, usd_per_gpu_hour=0)
+
+
+def test_mfu_uses_the_devices_bf16_peak_where_it_is_known():
+    assert runlog.peak_tflops("NVIDIA H100 80GB HBM3") == 989.4 and runlog.peak_tflops("NVIDIA H100 PCIe") == 756.0
+    assert runlog.peak_tflops("NVIDIA H200") == 989.4 and runlog.peak_tflops("cpu: x86_64 (2 cores)") is None
+    assert runlog.peak_tflops("Some Future GPU") is None
+
+
+def test_model_flops_per_token_count_the_matrices_and_each_layers_window():
+    """6 per weight of every matrix product (not the embedding tables) and 12 per attended key and channel, each
+    attention layer at its window, capped at the sequence: written out for the speedrun shape."""
+    args = T.parse_args(["--preset=speedrun"], False)
+    with torch.device("meta"):
+        model = T.GPT(T.ModelConfig.of(args))
+    d, layers = 768, 12
+    weights = layers * (3 * d * d + d * d + 2 * 4 * d * d) - (3 * d * d + d * d) + 50304 * d  # layer 7: no attention
+    long_keys, short_keys = 3 * 1792, 8 * 896  # L S S S L S | S L S S S L, and layer 7 (long) does not attend
+    assert model.roles.long_window.count(True) == 4 and not model.roles.attention[7] and model.roles.long_window[7]
+    expected = 6 * weights + 12 * 6 * 128 * (long_keys + short_keys)
+    assert model.flops_per_token((14, 7), seq_len=48 * 1024) == pytest.approx(expected)
+    assert model.flops_per_token((1000, 500), seq_len=1024) == pytest.approx(6 * weights + 12 * 768 * 1024 * 11)
+
+
+# ---------------------------------------------------------------- energy continued across a resume
+
+ENERGY_DRIVER = textwrap.dedent('''
+    import sys, time
+    sys.path[:0] = [{repo!r}, {repo!r} + "/tests"]
+    import runlog, train_gpt as T
+    from rank_driver import exit_checked
+
+    class HundredWatts:  # an NVML-like counter: 100 W, for as long as the process has run
+        wrap_joules = None
+
+        def read_joules(self):
+            return [100.0 * time.perf_counter()]
+
+    T.EnergyMeter.open = staticmethod(lambda rt, *a, **k: runlog.EnergyMeter(HundredWatts()))
+    stop = T.StopSignal()
+    exit_checked(T.main(stop=stop), stop)
+''')
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_energy_is_stored_in_checkpoints_and_continued_on_resume(tmp_path, ranks):
+    """A fake 100 W counter per rank, a run stopped after step 2 and resumed to step 4: the summary's training
+    energy is 100 W x the training time of both launches x the ranks (with only the last launch it would be about
+    half), each launch's share is in its segment, the energy at the target (reached after the resume) counts the
+    first launch too, and warm-up and validation are counted apart."""
+    driver = tmp_path / "energy.py"
+    driver.write_text(ENERGY_DRIVER.format(repo=str(REPO)))
+    base = TINY + ["--num_iterations=4", "--val_every=2", "--run_id=e", "--warmup_steps=1", "--target_val_loss=10.5"]
+    first = run_trainer(base + ["--stop_after=2"], tmp_path, nproc=ranks, driver=driver)
+    assert first.returncode == 0, first.stderr[-2000:]
+    second = run_trainer(base + ["--resume=latest"], tmp_path, nproc=ranks, driver=driver)
+    assert second.returncode == 0, second.stderr[-2000:]
+    summary = json.loads((tmp_path / "e.json").read_text())
+    segments = summary["segments"]
+    assert len(segments) == 2 and all(s["energy_j"]["ranks"] == ranks for s in segments)
+    total_s = summary["total_train_time_ms"] / 1000
+    assert summary["energy"]["train"] == pytest.approx(100 * total_s * ranks, rel=0.05)
+    assert summary["energy"]["train"] == pytest.approx(sum(s["energy_j"]["train"] for s in segments))
+    assert segments[0]["energy_j"]["train"] == pytest.approx(100 * segments[0]["train_time_ms"] / 1000 * ranks, rel=0.05)
+    assert summary["energy_j"] == summary["energy"]["train"]
+    assert summary["tokens_per_kwh"] == pytest.approx(summary["tokens"] / (summary["energy"]["train"] / 3.6e6))
+    assert summary["energy"]["warmup"] > 0 and summary["energy"]["validation"] > 0
+    target = summary["target"]
+    assert target["step"] == 4 and target["energy_j"] == pytest.approx(summary["energy"]["train"], rel=0.02)
+    assert target["energy_j"] > segments[1]["energy_j"]["train"]  # the first launch's energy is in it
+    val = reader().read_metrics(tmp_path / "e.metrics.jsonl").records["val"]
+    assert val[4]["energy_j"] == pytest.approx(target["energy_j"])

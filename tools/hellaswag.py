@@ -21,7 +21,7 @@ if __package__ in (None, ""):
 
 from tools.cli import OneLineArgumentParser, integer  # noqa: E402
 import evaluation  # noqa: E402
-from tools.loading import T, load_model, run_tool  # noqa: E402
+from tools.loading import load_model, run_tool  # noqa: E402
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
     items = items[:opts.limit] if opts.limit else items
     started = time.perf_counter()
-    result = evaluation.hellaswag_score(loaded.model, items, loaded.window_blocks)
+    result = evaluation.hellaswag_score(loaded.model, items, loaded.window_blocks, show_progress=True)
     print(f"hellaswag: acc:{result.acc:.4f} acc_norm:{result.acc_norm:.4f} examples:{result.examples} "
           f"({loaded.source}, step {loaded.step}, window {loaded.window_blocks} blocks, "
           f"{time.perf_counter() - started:.1f}s)")

@@ -1,0 +1,81 @@
+"""How train_gpt.py reads (README, "What is inside"): a file of at most 3,000 lines in which the speedrun's math
+is most of the code (bench/code_share.py counts it), siblings of at most ~700 lines, the loop and its step on one
+screen, and no module-level object that a run reassigns or changes (choices travel through Runtime instead)."""
+import ast
+import copy
+import importlib.util
+import sys
+
+import pytest
+import torch
+
+import train_gpt as T
+from conftest import REPO, TINY, run_main
+
+SIBLINGS = ("flags.py", "runlog.py", "checkpoints.py", "evaluation.py", "lifecycle.py")
+
+
+def code_share():
+    spec = importlib.util.spec_from_file_location("code_share", REPO / "bench" / "code_share.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_trainer_is_at_most_3000_lines_and_mostly_the_speedruns_math():
+    source = (REPO / "train_gpt.py").read_text()
+    assert len(source.splitlines()) <= 3000
+    counts = code_share().counted_lines(source)
+    math_lines = sum(n for title, n in counts.items() if code_share().is_math(title))
+    assert math_lines / sum(counts.values()) >= 0.55, counts
+    assert {title.split(" ")[0] for title in counts} >= {"Configuration", "Data", "Model", "Optimizers", "Schedules",
+                                                         "Training"}
+    for name in SIBLINGS:
+        assert len((REPO / name).read_text().splitlines()) <= 700, name
+
+
+def test_the_loop_and_its_step_read_in_one_place_on_one_screen():
+    tree = ast.parse((REPO / "train_gpt.py").read_text())
+    functions = [node for node in tree.body if isinstance(node, ast.FunctionDef)]
+    names = [f.name for f in functions]
+    step, loop = (functions[names.index(name)] for name in ("train_step", "train_loop"))
+    assert names.index("train_loop") == names.index("train_step") + 1  # adjacent: read together
+    assert loop.end_lineno - step.lineno + 1 <= 80
+    calls = {node.func.id for node in ast.walk(loop) if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)}
+    assert {"train_step", "validate", "checkpoint_or_stop", "log_train_step", "finish"} <= calls
+
+
+def module_state(module) -> dict:
+    """Every module-level object that is not a function, class or module: what a run could reassign or change."""
+    skip = (type(sys), type, type(len), type(module_state))
+    return {name: value for name, value in vars(module).items()
+            if not name.startswith("__") and name != "annotations" and not isinstance(value, skip) and not callable(value)}
+
+
+def snapshot(state: dict) -> dict:
+    out = {}
+    for name, value in state.items():
+        try:
+            out[name] = (id(value), copy.deepcopy(value))
+        except Exception:  # an object deepcopy cannot copy (a torch function table): its identity then
+            out[name] = (id(value), repr(value))
+    return out
+
+
+@pytest.mark.parametrize("extra", [[], ["--recipe=v2", "--n_layer=4", "--bigram_vocab_size=4096",
+                                            "--bigram_dim=32", "--batch_schedule=1/2,1"]])
+def test_a_run_reassigns_and_changes_no_module_level_object(tmp_path, extra):
+    """A whole run in this process (start-up, set-up, warm-up, training, checkpoint, resume, finish): every
+    module-level object of train_gpt.py is the same object afterwards, with the same contents."""
+    before = snapshot(module_state(T))
+    assert "PRESETS" in before and "TECHNIQUES" in before and "TORCH_API" in before and "FLAG_RULES" in before
+    args = TINY + ["--num_iterations=3", "--warmup_steps=1", "--checkpoint_every=2", "--run_id=state", *extra]
+    assert run_main(args + ["--stop_after=2"], tmp_path).returncode == 0
+    assert run_main(args + ["--resume=latest"], tmp_path).returncode == 0
+    after = snapshot(module_state(T))
+    assert set(after) == set(before)
+    for name, (identity, contents) in before.items():
+        assert after[name][0] == identity, f"{name} was reassigned"
+        same = contents == after[name][1] if not isinstance(contents, torch.Tensor) else torch.equal(contents,
+                                                                                                   after[name][1])
+        assert same, f"{name} was changed"
