@@ -551,3 +551,14 @@ def test_curves_of_several_runs_are_plotted_from_their_metrics_files_against_ste
         assert legend == [f"crashed: {final:.4f} (unfinished)", f"tiny: {final:.4f}", "target 5.7"], name
     assert drawn["val_loss_vs_tokens.png"][1][:2] == [[0.0, 1024.0, 2048.0]] * 2
     assert drawn["val_loss_vs_step.png"][1][:2] == [[0.0, 2.0, 4.0]] * 2
+
+
+@pytest.mark.parametrize("folder", sorted(p.name for p in (REPO / "records").iterdir() if p.is_dir()))
+def test_every_committed_record_reads_whole_and_its_readme_quotes_its_losses(folder):
+    """Each records/<folder> as the reader reads it today: no file skipped, every run finished, and each final
+    loss its README's table quotes (to 4 decimals) is one the reader finds."""
+    runs, skipped = rr.read_runs([str(REPO / "records" / folder)])
+    assert skipped == [] and runs and all(run.finished for run in runs), skipped
+    readme = (REPO / "records" / folder / "README.md").read_text()
+    for run in runs:
+        assert f"{run.final_val_loss:.4f}" in readme, (folder, run.name)
