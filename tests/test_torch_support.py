@@ -1,4 +1,4 @@
-"""train_gpt.py's "Supported torch releases" section (README, "Supported torch"): the range that the README's table,
+"""lifecycle.py's "Supported torch releases" section (README, "Supported torch"): the range that the README's table,
 the requirements' pin and CI's second torch agree on, every difference between releases handled in that one place,
 and start-up under a torch it cannot use or does not know: one line for a torch older than the range (or a GPU node
 whose torch cannot use its GPUs), one warning for a newer one, one note for a GPU without FP8; and the torch_range
