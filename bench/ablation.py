@@ -45,6 +45,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 TRAINER = REPO / "train_gpt.py"
 sys.path.insert(0, str(REPO))
+from tools.cli import OneLineArgumentParser, integer, number, run_cli  # noqa: E402
 import train_gpt as T  # noqa: E402  (its TECHNIQUES name the v2 variants; its parser checks every override)
 from records.read_records import mean_std  # noqa: E402  (one mean and sample std for every table here)
 
@@ -452,21 +453,21 @@ def plot(stats: dict[str, VariantStats], target: float | None, label: str, path:
 
 
 def parse_cli(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    p = OneLineArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--seeds", type=int, default=DEFAULT_SEEDS, help=f"seeds 0..N-1 per variant ({DEFAULT_SEEDS})")
-    p.add_argument("--num_iterations", type=int, default=DEFAULT_ITERS, help=f"training steps ({DEFAULT_ITERS})")
-    p.add_argument("--batch_tokens", type=int, default=DEFAULT_BATCH_TOKENS,
+    p.add_argument("--seeds", type=integer(1), default=DEFAULT_SEEDS, help=f"seeds 0..N-1 per variant ({DEFAULT_SEEDS})")
+    p.add_argument("--num_iterations", type=integer(1), default=DEFAULT_ITERS, help=f"training steps ({DEFAULT_ITERS})")
+    p.add_argument("--batch_tokens", type=integer(1024), default=DEFAULT_BATCH_TOKENS,
                    help=f"tokens per step, a multiple of the cpu preset's seq_len 1024 ({DEFAULT_BATCH_TOKENS})")
-    p.add_argument("--val_every", type=int, default=DEFAULT_VAL_EVERY, help="validation interval in steps")
-    p.add_argument("--val_tokens", type=int, default=DEFAULT_VAL_TOKENS,
+    p.add_argument("--val_every", type=integer(0), default=DEFAULT_VAL_EVERY, help="validation interval in steps")
+    p.add_argument("--val_tokens", type=integer(1), default=DEFAULT_VAL_TOKENS,
                    help=f"held-out validation tokens, a multiple of {VAL_SEQ_LEN} ({DEFAULT_VAL_TOKENS})")
     p.add_argument("--suite", default="reference", choices=list(SUITES),
                    help="reference: the 2025-01-26 techniques; v2_part1: recipe v2's optimizer half (issue 13)")
     p.add_argument("--variants", default=None, help="comma-separated subset of the suite's variants (all)")
-    p.add_argument("--jobs", type=int, default=2, help="parallel runs; each gets OMP_NUM_THREADS = cores // jobs")
+    p.add_argument("--jobs", type=integer(1), default=2, help="parallel runs; each gets OMP_NUM_THREADS = cores // jobs")
     p.add_argument("--out", type=Path, default=None, help="folder for logs, table, plot (the suite's folder)")
-    p.add_argument("--baseline-matrix-adam-lr", dest="baseline_lr", type=float, default=None,
+    p.add_argument("--baseline-matrix-adam-lr", dest="baseline_lr", type=number(0, lo_open=True), default=None,
                    help="the baseline's AdamW lr for hidden matrices (default: train_gpt.py's matrix_adam_lr)")
     p.add_argument("--report-only", dest="report_only", action="store_true",
                    help="train nothing: the table and plot of the finished runs in OUT/logs whose settings match")
@@ -479,8 +480,6 @@ def parse_cli(argv: list[str]) -> argparse.Namespace:
     unknown = [v for v in a.variants if v not in suite.variants]
     if unknown:
         p.error(f"unknown variant(s) {', '.join(unknown)} in suite {a.suite}; valid: {', '.join(suite.variants)}")
-    if a.seeds < 1 or a.jobs < 1 or a.num_iterations < 1 or a.val_every < 0:
-        p.error("--seeds, --jobs and --num_iterations must be >= 1, --val_every >= 0")
     if a.val_tokens <= 0 or a.val_tokens % VAL_SEQ_LEN or a.val_tokens > SAMPLE_VAL_TOKENS:
         p.error(f"--val_tokens={a.val_tokens} must be a positive multiple of the cpu preset's val_seq_len "
                 f"{VAL_SEQ_LEN}, at most the {SAMPLE_VAL_TOKENS:,} tokens of the held-out shard")
@@ -525,4 +524,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_cli(main))

@@ -12,13 +12,13 @@ included.
 
 from __future__ import annotations
 
-import argparse
 import resource
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tools.cli import OneLineArgumentParser, integer, run_cli  # noqa: E402
 import torch  # noqa: E402
 
 import train_gpt as T  # noqa: E402
@@ -37,11 +37,11 @@ def dense_bytes(seq_len: int, heads: int) -> dict[str, int]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--seq_len", type=int, default=48 * 1024)
-    p.add_argument("--window_tokens", type=int, default=1792)
-    p.add_argument("--heads", type=int, default=6)
-    p.add_argument("--head_dim", type=int, default=128)
+    p = OneLineArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--seq_len", type=integer(1), default=48 * 1024)
+    p.add_argument("--window_tokens", type=integer(1), default=1792)
+    p.add_argument("--heads", type=integer(1), default=6)
+    p.add_argument("--head_dim", type=integer(1), default=128)
     a = p.parse_args(argv)
     if a.seq_len % T.BLOCK_SIZE or a.window_tokens % T.BLOCK_SIZE:
         p.error(f"--seq_len and --window_tokens must be multiples of the {T.BLOCK_SIZE}-token block")
@@ -71,4 +71,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_cli(main))

@@ -15,7 +15,6 @@ exits 1 if any run aborted or failed otherwise.
 
 from __future__ import annotations
 
-import argparse
 import os
 import shutil
 import subprocess
@@ -26,6 +25,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+from tools.cli import OneLineArgumentParser, integer, run_cli  # noqa: E402
 TINY_RUN = ["--preset=cpu", "--n_layer=2", "--model_dim=64", "--n_head=2", "--head_dim=32", "--seq_len=256",
             "--batch_tokens=512", "--val_seq_len=256", "--val_tokens=512", "--num_iterations=4", "--val_every=0",
             "--warmup_steps=0", "--compile=off", "--checkpoint_every=2", "--checkpoint_keep=1",
@@ -52,11 +53,11 @@ def one_run(index: int, core: int, scratch: Path, timeout: int) -> tuple[str, st
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--runs", type=int, default=200, help="tiny 2-rank runs in all (default 200)")
-    parser.add_argument("--jobs", type=int, default=2, help="runs at a time, each pinned to its own core (default 2)")
+    parser = OneLineArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--runs", type=integer(1), default=200, help="tiny 2-rank runs in all (default 200)")
+    parser.add_argument("--jobs", type=integer(1), default=2, help="runs at a time, each pinned to its own core (default 2)")
     parser.add_argument("--cores", default="0,1", help="the cores to pin runs to, comma-separated (default 0,1)")
-    parser.add_argument("--timeout", type=int, default=300, help="seconds before a run counts as failed")
+    parser.add_argument("--timeout", type=integer(1), default=300, help="seconds before a run counts as failed")
     args = parser.parse_args(argv)
     if shutil.which("taskset") is None:
         parser.error("taskset (util-linux) is needed to pin the runs to one core")
@@ -79,4 +80,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_cli(main))

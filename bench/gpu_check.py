@@ -56,6 +56,8 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+from tools.cli import OneLineArgumentParser, integer, number, run_cli  # noqa: E402
 GLOBAL_BATCH = 8 * 48 * 1024  # the speedrun preset's tokens per optimizer step
 SEQUENCES_PER_STEP = 8  # 48K-token sequences per step: the world size must divide it
 VAL_SEQ_LEN = 4 * 64 * 1024  # the speedrun preset's val_seq_len (the record's)
@@ -340,7 +342,6 @@ def guarded(name: str, check, *args) -> Row:
 def part_main(part: str) -> int:
     """The body of `gpu_check.py --part=fp8|flex`: its rows as one JSON line on stdout."""
     import torch
-    sys.path.insert(0, str(REPO))
     import train_gpt as T
     device = torch.device("cuda")
     if part == "flex":
@@ -374,8 +375,6 @@ def write_shard(path: Path, n_tokens: int, seed: int) -> None:
     """A shard in the one format data/shardio.py defines, of random tokens split into documents of
     random length, each starting with the EOT token 50256."""
     import numpy as np
-    if str(REPO) not in sys.path:
-        sys.path.insert(0, str(REPO))
     from data import shardio
     rng = np.random.default_rng(seed)
     tokens = rng.integers(0, 50256, size=n_tokens, dtype=np.uint16)
@@ -392,8 +391,6 @@ def read_summary(path: Path) -> dict | None:
 
 def step_times_ms(run_log: Path) -> dict[int, float]:
     """train_time of each step line of a run log, by step (records/read_records.py is the one reader)."""
-    if str(REPO) not in sys.path:
-        sys.path.insert(0, str(REPO))
     from records.read_records import parse_progress_line
     times = {}
     if run_log.is_file():
@@ -661,7 +658,7 @@ def default_out(only: tuple[str, ...], drill: bool) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = OneLineArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="skip (e), the timed speedrun-preset run")
     p.add_argument("--skip-tests", action="store_true", help="skip (a), the GPU pytest tests")
     p.add_argument("--plan", action="store_true",
@@ -669,15 +666,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--only", type=only_parts, default=(),
                    help="run only these parts (comma-separated: tests, fp8, flex, resume, speedrun), e.g. to rerun "
                         "one; the results go to a file of their own")
-    p.add_argument("--steps", type=int, default=TIMED_STEPS,
+    p.add_argument("--steps", type=integer(1), default=TIMED_STEPS,
                    help=f"timed steps of (e), after its first {STEPS_BEFORE_CLEAN} (profiler, trace export) "
                         f"(default {TIMED_STEPS})")
     p.add_argument("--recipe", default="reference", choices=["reference", "v2"], help="recipe of (e) (reference)")
-    p.add_argument("--warmup", type=int, default=WARMUP_STEPS,
+    p.add_argument("--warmup", type=integer(0), default=WARMUP_STEPS,
                    help="untimed compile/warm-up steps of (e) (default 3: the first compiles, the next two catch "
                         "a recompilation that optimizer state or a changed value causes, so the timed steps run "
                         "compiled kernels only; a later one is counted in recompiles_after_warmup)")
-    p.add_argument("--budget-s", type=float, default=None,
+    p.add_argument("--budget-s", type=number(0, lo_open=True), default=None,
                    help=f"overall time budget in seconds (default {sum(BUDGET_S.values())}: the sum of the shares "
                         "at the top of this file, or of the --only parts'; less shrinks every share in proportion)")
     p.add_argument("--out", type=Path, default=None,
@@ -767,4 +764,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_cli(main))

@@ -11,7 +11,6 @@ Prints one line: tokens/s, tokens and seconds. A number for benchmarks and closi
 
 from __future__ import annotations
 
-import argparse
 import sys
 import tempfile
 import time
@@ -22,6 +21,7 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+from tools.cli import OneLineArgumentParser, integer, run_cli  # noqa: E402
 import train_gpt as T  # noqa: E402
 from data import shardio  # noqa: E402
 
@@ -49,11 +49,11 @@ def measure(tokens: int, steps: int, seq_len: int, accum: int) -> tuple[int, flo
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--tokens", type=int, default=4_000_000, help="tokens in the synthetic shard")
-    p.add_argument("--steps", type=int, default=8, help="loader steps to time")
-    p.add_argument("--seq_len", type=int, default=48 * 1024, help="tokens per sequence (the speedrun's 48K)")
-    p.add_argument("--accum", type=int, default=8, help="micro-batches per step (one rank of 1 = 8 GPUs' worth)")
+    p = OneLineArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--tokens", type=integer(1), default=4_000_000, help="tokens in the synthetic shard")
+    p.add_argument("--steps", type=integer(1), default=8, help="loader steps to time")
+    p.add_argument("--seq_len", type=integer(1), default=48 * 1024, help="tokens per sequence (the speedrun's 48K)")
+    p.add_argument("--accum", type=integer(1), default=8, help="micro-batches per step (one rank of 1 = 8 GPUs' worth)")
     a = p.parse_args(argv)
     loaded, seconds = measure(a.tokens, a.steps, a.seq_len, a.accum)
     print(f"loader throughput: {loaded / seconds / 1e6:.1f}M tokens/s ({loaded:,} tokens in {seconds:.2f} s; "
@@ -62,4 +62,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_cli(main))

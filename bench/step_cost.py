@@ -14,7 +14,6 @@ reference). Numbers for closing notes and the README, not a test; run it on an o
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import time
@@ -25,6 +24,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
+from tools.cli import OneLineArgumentParser, integer, run_cli  # noqa: E402
 import ablation  # noqa: E402
 import train_gpt as T  # noqa: E402
 
@@ -59,11 +59,11 @@ def time_variant(overrides: list[str], steps: int) -> tuple[float, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = OneLineArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--suite", default="v2", choices=list(ablation.SUITES), help="whose variants to time (v2)")
     p.add_argument("--variants", default=None, help="comma-separated subset (all of the suite's)")
-    p.add_argument("--steps", type=int, default=3, help="timed steps per variant, after one untimed (3)")
-    p.add_argument("--threads", type=int, default=1, help="torch threads (1, as each ablation run has)")
+    p.add_argument("--steps", type=integer(1), default=3, help="timed steps per variant, after one untimed (3)")
+    p.add_argument("--threads", type=integer(1), default=1, help="torch threads (1, as each ablation run has)")
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
     variants = ablation.SUITES[a.suite].variants
@@ -85,4 +85,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_cli(main))

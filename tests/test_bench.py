@@ -19,6 +19,7 @@ sys.path.insert(0, str(REPO))
 import ablation as A  # noqa: E402
 import gpu_check as G  # noqa: E402
 import train_gpt as T  # noqa: E402
+from tools import cli  # noqa: E402
 
 
 def summary(variant, seed, losses, val_every=3, batch=2048, train_time_ms=10_000.0, hyperparameters=None):
@@ -186,13 +187,13 @@ def test_default_budget_is_big_enough_to_judge_a_technique():
 
 
 def test_cli_refuses_unknown_variants_and_bad_val_tokens():
-    with pytest.raises(SystemExit):
+    with pytest.raises(cli.UsageError):
         A.parse_cli(["--variants=full,no_such"])
-    with pytest.raises(SystemExit):
+    with pytest.raises(cli.UsageError):
         A.parse_cli(["--val_tokens=3000"])
-    with pytest.raises(SystemExit):  # more than the held-out shard holds
+    with pytest.raises(cli.UsageError):  # more than the held-out shard holds
         A.parse_cli([f"--val_tokens={A.SAMPLE_VAL_TOKENS + 2048}"])
-    with pytest.raises(SystemExit):
+    with pytest.raises(cli.UsageError):
         A.parse_cli(["--batch_tokens=1000"])
     assert A.parse_cli(["--variants=full, baseline"]).variants == ["full", "baseline"]
 
@@ -280,17 +281,20 @@ def test_gpu_check_plan_fits_one_loan_and_says_how_each_share_was_sized():
 
 @pytest.mark.torch_range
 def test_gpu_check_needs_nothing_the_gpu_machines_torch_lacks(tmp_path, monkeypatch):
-    """The GPU machine has its own torch and no network: gpu_check.py imports the standard library at the top, torch,
-    numpy and this repository inside its parts, and says so when pytest (an extra) is missing."""
+    """The GPU machine has its own torch and no network: gpu_check.py imports the standard library and tools/cli.py
+    at the top, torch, numpy and this repository inside its parts, and says so when pytest (an extra) is missing."""
     import ast
     import importlib.util
     tree = ast.parse((REPO / "bench" / "gpu_check.py").read_text())
     def roots(nodes):
         return {(a.name if isinstance(n, ast.Import) else n.module).split(".")[0]
                 for n in nodes if isinstance(n, (ast.Import, ast.ImportFrom)) for a in n.names}
-    assert roots(tree.body) <= set(sys.stdlib_module_names) | {"__future__"}
+    # at the top: the standard library and tools/cli.py (its one-line argument errors), itself standard library only
+    assert roots(tree.body) <= set(sys.stdlib_module_names) | {"__future__", "tools"}
+    assert roots(ast.parse((REPO / "tools" / "cli.py").read_text()).body) <= set(sys.stdlib_module_names) | \
+        {"__future__"}
     assert roots(ast.walk(tree)) <= set(sys.stdlib_module_names) | {"__future__", "torch", "numpy", "train_gpt",
-                                                                      "data", "records"}
+                                                                      "data", "records", "tools"}
     real_find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "pytest" else
                         real_find_spec(name, *a))
@@ -425,9 +429,8 @@ def test_step_cost_times_a_variant_as_the_trainer_builds_it(monkeypatch, capsys)
              "--bigram_dim=32"]
     monkeypatch.setitem(A.SUITES, "tiny", A.Suite({"reference": small[:4], "v2": ["--recipe=v2", *small]}, "v2",
                                                   "reference", "", "bench/results/tiny"))
-    with pytest.raises(SystemExit):
+    with pytest.raises(cli.UsageError, match=r"unknown variant\(s\) nope"):
         step_cost.main(["--suite=v2", "--variants=reference,nope"])
-    assert "unknown variant(s) nope" in capsys.readouterr().err
     assert step_cost.ablation is A  # the suites step_cost reads are the ones patched above
     step_cost.main(["--suite=tiny", "--steps=1"])
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ") and "variant" not in line]
@@ -478,3 +481,21 @@ def test_memory_estimate_refuses_a_device_size_that_is_not_positive_and_finite(s
     assert run_cli(lambda: M.main([f"--device_gib={size}"]), usage_errors=(T.UsageError,)) == 2
     assert capsys.readouterr().err == (f"error: argument --device_gib: bad value '{size}'; valid: a finite number "
                                        "in (0, inf) (see memory_estimate.py --help)\n")
+
+
+@pytest.mark.parametrize("program, bad", [
+    ("ablation", "--seeds=0"), ("ablation", "--jobs=-1"), ("ablation", "--baseline-matrix-adam-lr=nan"),
+    ("attention_memory", "--heads=0"), ("exit_stress", "--timeout=0"), ("gpu_check", "--budget-s=inf"),
+    ("gpu_check", "--warmup=-1"), ("loader_throughput", "--accum=0"), ("step_cost", "--threads=0"),
+    ("memory_estimate", "--device_gib=-1")])
+def test_every_bench_programs_numbers_are_range_checked_where_parsed(program, bad, capsys):
+    """Each bench program's number arguments (issue 36: every CLI number): a value out of its range is the one
+    'error: argument ...' line naming the valid range, exit 2, before anything runs (each main() as its
+    `if __name__ == "__main__"` runs it)."""
+    import importlib
+    module = importlib.import_module(program)
+    assert cli.run_cli(lambda: module.main([bad]), usage_errors=(T.UsageError,)) == 2
+    flag, value = bad.split("=")
+    out, err = capsys.readouterr()
+    assert out == "" and re.fullmatch(rf"error: argument {flag}: bad value '{re.escape(value)}'; valid: .* "
+                                      rf"\(see \S+ --help\)\n", err), err
