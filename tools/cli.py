@@ -3,7 +3,7 @@ machines that may not have it (a login node, a laptop), and tools/ share the sam
 
 A UsageError (an expected bad condition: a flag, a file, the network) is one 'error: ...' line and
 EXIT_USAGE (the trainer's RunFailed, a usage error by type, carries EXIT_RUN_FAILED); Ctrl-C is one line and 128 + SIGINT. train_gpt.py stays one file and imports nothing from here:
-its own UsageError and exit statuses carry the same meaning (tests/test_setup.py holds the two to it), and
+its own UsageError and exit statuses carry the same meaning (tests/test_packaging.py holds the two to it), and
 the tools pass it to run_cli as one more usage-error type.
 
 Every program's arguments are read by OneLineArgumentParser (a bad one is the same one line), and every number
