@@ -416,13 +416,15 @@ def peak_tflops(device: str) -> float | None:
     return PEAK_BF16_TFLOPS[max(keys, key=len)] if keys else None
 
 
-# The metrics file, <run_id>.metrics.jsonl: one JSON object per line, "kind" "train" (after each training step)
-# or "val" (each validation), with these keys, each a number or null; records/read_records.py's read_metrics is
-# its one reader. A resumed run appends to it; a later record of the same kind and step replaces an earlier one.
+# The metrics file, <run_id>.metrics.jsonl: one JSON object per line, "kind" "train" (after each training step),
+# "val" (each validation) or "target" (the validation that first reached --target_val_loss, once per run), with
+# these keys, each a number or null; records/read_records.py's read_metrics is its one reader. A resumed run
+# appends to it; a later record of the same kind and step replaces an earlier one.
 METRIC_KEYS = {
     "train": ("step", "tokens", "train_loss", "lr_mult", "step_ms", "train_time_ms", "tokens_per_s", "tflops",
               "mfu", "peak_memory_mib", "energy_j"),
     "val": ("step", "tokens", "val_loss", "train_time_ms", "energy_j"),
+    "target": ("step", "tokens", "val_loss", "target_val_loss", "train_time_ms", "energy_j"),
 }
 
 

@@ -96,8 +96,8 @@ class Hyperparameters:
     """Every knob of a run. The defaults are the `speedrun` preset: the 2025-01-26 record of the NanoGPT
     speedrun ("R" below: records/track_1_short/2025-01-26_BatchSize of modded-nanogpt), whose values
     tests/test_config.py pins."""
-    preset: str = flag("auto", "speedrun | cpu; auto picks speedrun when CUDA is present, cpu otherwise",
-                               group="general")
+    preset: str = flag("auto", "speedrun | cpu | medium; auto picks speedrun when CUDA is present, cpu otherwise",
+                       group="general")
     recipe: str = flag("reference", "reference (R, bit for bit) | v2: the later records' techniques (TECHNIQUES)")
     seed: int = flag(0, "model initialisation (data order is fixed by the shards)")
     train_files: str = flag("data/fineweb10B/fineweb_train_*.bin", "", group="data")
@@ -2752,6 +2752,8 @@ def target_reached(run: Run, step: int, tokens: int, train_ms: float, joules: fl
     run.log.write(progress_line(None, run.args.num_iterations, head="target:", val_loss=val_loss,
                                 target_val_loss=run.args.target_val_loss, steps=step, tokens=tokens,
                                 train_time=train_ms, **({"energy": joules} if joules is not None else {})))
+    run.metrics.write("target", step=step, tokens=tokens, val_loss=val_loss, target_val_loss=run.args.target_val_loss,
+                      train_time_ms=train_ms, energy_j=joules)
     return reached
 
 

@@ -484,11 +484,12 @@ RUN_NUMBERS = {"final_val_loss": AMOUNT, "steps": COUNT, "tokens": COUNT, "train
 # (tests/test_records.py holds the two to each other); a value may be null where the run could not measure it.
 METRIC_RULES = {"step": COUNT, "tokens": COUNT, "train_loss": AMOUNT, "val_loss": AMOUNT, "lr_mult": AMOUNT,
                 "step_ms": AMOUNT, "train_time_ms": AMOUNT, "tokens_per_s": AMOUNT, "tflops": AMOUNT, "mfu": AMOUNT,
-                "peak_memory_mib": AMOUNT, "energy_j": AMOUNT}
+                "peak_memory_mib": AMOUNT, "energy_j": AMOUNT, "target_val_loss": AMOUNT}
 METRIC_KINDS = {
     "train": ("step", "tokens", "train_loss", "lr_mult", "step_ms", "train_time_ms", "tokens_per_s", "tflops",
               "mfu", "peak_memory_mib", "energy_j"),
     "val": ("step", "tokens", "val_loss", "train_time_ms", "energy_j"),
+    "target": ("step", "tokens", "val_loss", "target_val_loss", "train_time_ms", "energy_j"),
 }
 METRICS_SUFFIX = ".metrics.jsonl"
 

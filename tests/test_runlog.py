@@ -240,7 +240,7 @@ def test_a_torn_or_odd_metrics_file_is_read_as_far_as_it_can_be(tmp_path):
     metrics = rr.read_metrics(path)
     assert sorted(metrics.records["val"]) == [0, 4] and metrics.records["val"][4]["val_loss"] == 8.5
     assert metrics.skipped == ['line 2: bad value "low" for val_loss; valid: a finite number >= 0',
-                               "line 4: not a metrics record (kind 'hellaswag'; known: train, val)",
+                               "line 4: not a metrics record (kind 'hellaswag'; known: train, val, target)",
                                "line 6: cut short (the run stopped while writing it)", "unknown key(s) mystery left out"]
     out = subprocess.run([sys.executable, str(REPO / "records" / "read_records.py"), str(path)], capture_output=True,
                          text=True, timeout=60)
@@ -329,6 +329,10 @@ def test_the_target_marks_the_run_and_can_stop_it(tmp_path):
         "train_time": round(reached["train_time_ms"])}
     card = (tmp_path / "marks.md").read_text()
     assert "| target | val loss <= 10.7: reached at step 2, " in card
+    metrics = reader().read_metrics(tmp_path / "marks.metrics.jsonl")
+    assert metrics.records["target"] == {2: {
+        "step": 2, "tokens": 1024, "val_loss": reached["reached_val_loss"], "target_val_loss": 10.7,
+        "train_time_ms": reached["train_time_ms"], "energy_j": reached["energy_j"]}}, metrics.skipped
     stopped = run_main(base + ["--run_id=stops", "--stop_at_target=true"], tmp_path)
     assert stopped.returncode == 0, stopped.stderr
     summary = json.loads((tmp_path / "stops.json").read_text())
