@@ -14,6 +14,7 @@ import dataclasses
 import fcntl
 import hashlib
 import json
+import math
 import os
 import pickle
 import shutil
@@ -87,6 +88,20 @@ def recorded_segments(meta: dict) -> list[dict]:
     if isinstance(found, list) and all(isinstance(x, dict) and required <= set(x) <= set(SEGMENT_KEYS) for x in found):
         return [{key: x.get(key) for key in SEGMENT_KEYS} for x in found]
     return [segment(str(meta.get("run_id")), 0, meta["step"], None, None)]
+
+
+def recorded_target(meta: dict) -> dict | None:
+    """Where the checkpoint says the run reached its target loss, or None when it has not (or says so in a form
+    the trainer never writes: then the run looks for its target again from here)."""
+    found = meta.get("target")
+    if not isinstance(found, dict) or set(found) != {"val_loss", "reached_val_loss", "step", "train_time_ms",
+                                                     "tokens", "energy_j"}:
+        return None
+    def amount(value, none_ok=False):
+        return none_ok and value is None or type(value) in (int, float) and math.isfinite(value) and value >= 0
+    steps_ok = all(type(found[key]) is int and 0 <= found[key] for key in ("step", "tokens"))
+    amounts_ok = all(amount(found[key]) for key in ("val_loss", "reached_val_loss", "train_time_ms"))
+    return found if steps_ok and amounts_ok and amount(found["energy_j"], none_ok=True) else None
 
 
 def local_part(t: Tensor | FlatShard) -> Tensor:
@@ -268,9 +283,8 @@ class Checkpoints:
                              "resume from an earlier checkpoint") from None
         self.resumed_from = path
         set_aside_newer_checkpoints(self.folder.checkpoints, path, self.place, self.log)
-        target = meta.get("target")
         return TrainingState(step=meta["step"], loader=meta["loader"], tensors=state.tensors,
-                             segments=recorded_segments(meta), target=target if isinstance(target, dict) else None)
+                             segments=recorded_segments(meta), target=recorded_target(meta))
 
 
 def lock_run_log(log: RunLog, run_id: str) -> None:

@@ -417,7 +417,7 @@ def peak_tflops(device: str) -> float | None:
 
 
 # The metrics file, <run_id>.metrics.jsonl: one JSON object per line, "kind" "train" (after each training step),
-# "val" (each validation) or "target" (the validation that first reached --target_val_loss, once per run), with
+# "val" (each validation) or "target" (the validation that first reached --target_val_loss), with
 # these keys, each a number or null; records/read_records.py's read_metrics is its one reader. A resumed run
 # appends to it; a later record of the same kind and step replaces an earlier one.
 METRIC_KEYS = {
@@ -447,6 +447,9 @@ class Metrics:
             except ImportError:
                 say("warning: --tensorboard=true needs the tensorboard package: pip install tensorboard; the run "
                     "goes on without it (the metrics file has the same numbers)")
+            except OSError as e:  # its folder's name is taken by a file, or cannot be made
+                say(f"warning: --tensorboard=true cannot write {tensorboard} ({e.strerror}); the run goes on "
+                    "without it (the metrics file has the same numbers)")
 
     def write(self, kind: str, **values) -> None:
         if self.file is None:

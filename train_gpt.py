@@ -2638,6 +2638,11 @@ def resume(run: Run, checkpoint: Path | None) -> int:
     run.stream.load_state(state.loader)
     run.earlier_segments, run.earlier_target = state.segments, state.target
     run.log.write(f"resumed from {checkpoint} at step {state.step}")
+    if state.target and state.target["val_loss"] != run.args.target_val_loss:  # the target is another one now
+        run.log.write(f"note: the checkpoint's target, val loss <= {state.target['val_loss']}, was reached at step "
+                      f"{state.target['step']}; this launch's --target_val_loss={run.args.target_val_loss} is looked "
+                      "for from here")
+        run.earlier_target = None
     return state.step
 
 

@@ -492,6 +492,7 @@ METRIC_KINDS = {
     "target": ("step", "tokens", "val_loss", "target_val_loss", "train_time_ms", "energy_j"),
 }
 METRICS_SUFFIX = ".metrics.jsonl"
+LINE_REASONS = 3  # the most lines of one metrics file said apart when skipped; the rest are counted
 
 
 def check_run(run: Run) -> Run:
@@ -573,7 +574,8 @@ def read_runs(paths: list[str]) -> tuple[list[Run], list[tuple[str, str]]]:
     for key in order:
         pair = by_key[key]
         parsed: dict[str, Run] = {}
-        for kind, parser in (("json", parse_json), ("txt", parse_txt), ("metrics", parse_metrics_run)):
+        for kind, parser in (("json", parse_json), ("txt", parse_txt),
+                             ("metrics", lambda path: parse_metrics_run(path, skipped))):
             if kind not in pair or kind == "metrics" and parsed:
                 continue
             try:
@@ -619,7 +621,7 @@ def read_metrics(path: Path) -> Metrics:
             continue
         try:
             record = json.loads(line)
-        except json.JSONDecodeError:
+        except (ValueError, RecursionError):  # not JSON, or nested deeper than Python's parser goes
             last = index == len(lines)
             skipped.append(f"line {index}: " + ("cut short (the run stopped while writing it)" if last else
                                                 "not JSON"))
@@ -639,18 +641,21 @@ def read_metrics(path: Path) -> Metrics:
             skipped.append(f"line {index}: no step")
             continue
         records[kind][values["step"]] = values
+    if len(skipped) > LINE_REASONS:  # a file of another kind under this name: a few reasons say it
+        skipped[LINE_REASONS:] = [f"and {len(skipped) - LINE_REASONS} more line(s) that could not be read"]
     if unknown:
         skipped.append(f"unknown key(s) {', '.join(sorted(unknown))} left out")
     return Metrics(records, skipped)
 
 
-def parse_metrics_run(path: Path) -> Run:
+def parse_metrics_run(path: Path, skipped: list[tuple[str, str]]) -> Run:
     """A run known only by its metrics file (its log unfinished or gone): its validation curve, to be plotted; it
-    is never judged against the target."""
+    is never judged against the target. What could not be read goes into skipped."""
     metrics = read_metrics(path)
+    skipped += [(str(path), reason) for reason in metrics.skipped]
     val = [metrics.records["val"][step] for step in sorted(metrics.records["val"])]
     if not val:
-        raise UsageError("no validation record" + (f" ({metrics.skipped[0]})" if metrics.skipped else ""))
+        raise UsageError("no validation record")
     last = val[-1]
     return Run(name=path.name.removesuffix(METRICS_SUFFIX), paths=[str(path)], folder=_display_dir(path),
                fmt="metrics", final_val_loss=last["val_loss"], steps=last["step"], tokens=last["tokens"],

@@ -245,7 +245,17 @@ def test_a_torn_or_odd_metrics_file_is_read_as_far_as_it_can_be(tmp_path):
     out = subprocess.run([sys.executable, str(REPO / "records" / "read_records.py"), str(path)], capture_output=True,
                          text=True, timeout=60)
     assert out.returncode == 0 and "| r |" in out.stdout and "(unfinished)" in out.stdout, out.stderr
-    assert "Traceback" not in out.stderr and f"skipped {path}: line 6: cut short" not in out.stderr
+    assert out.stderr.splitlines() == [f"skipped {path}: {reason}" for reason in metrics.skipped], out.stderr
+    # bytes of another file under this name, and a line nested deeper than Python's JSON parser goes: a few
+    # reasons and a count, never a traceback
+    path.write_bytes(bytes(range(256)) * 8 + b"\n" + json.dumps(good).encode() + b"\n" + b"[" * 100_000 +
+                     b"]" * 100_000 + b"\n" + b"\n".join(bytes([n]) * 9 for n in range(40, 60)))
+    metrics = rr.read_metrics(path)
+    assert sorted(metrics.records["val"]) == [0] and len(metrics.skipped) == 4, metrics.skipped
+    assert metrics.skipped[3].startswith("and ") and metrics.skipped[3].endswith(" more line(s) that could not be read")
+    out = subprocess.run([sys.executable, str(REPO / "records" / "read_records.py"), str(tmp_path)],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and "(unfinished)" in out.stdout and len(out.stderr.splitlines()) == 4, out.stderr
 
 
 def test_tensorboard_gets_the_same_scalars_or_one_line_when_it_is_missing(tmp_path, monkeypatch):
@@ -263,6 +273,12 @@ def test_tensorboard_gets_the_same_scalars_or_one_line_when_it_is_missing(tmp_pa
     assert result.returncode == 0, result.stderr
     assert result.stdout.count("--tensorboard=true needs the tensorboard package: pip install tensorboard") == 1
     assert (tmp_path / "no_tb.metrics.jsonl").read_text().count('"kind": "train"') == 2  # the metrics file has them
+    monkeypatch.delitem(sys.modules, "torch.utils.tensorboard")
+    (tmp_path / "taken.tensorboard").write_text("a file where the events folder goes")
+    taken = run_main(base + ["--run_id=taken"], tmp_path)
+    assert taken.returncode == 0 and taken.stdout.count(f"--tensorboard=true cannot write {tmp_path}/taken"
+                                                        ".tensorboard (File exists); the run goes on") == 1, \
+        taken.stderr
 
 
 # ---------------------------------------------------------------- progress a person can read
@@ -346,6 +362,34 @@ def test_the_target_marks_the_run_and_can_stop_it(tmp_path):
     table = subprocess.run([sys.executable, str(REPO / "records" / "read_records.py"), str(tmp_path / "marks.json")],
                            capture_output=True, text=True, timeout=60).stdout
     assert f"| 10.7 | 2 | {reached['train_time_ms'] / 1000:.2f} |" in table
+
+
+def test_a_resume_under_another_target_looks_for_that_one_and_a_malformed_recorded_target_is_ignored(tmp_path):
+    """A run that reached 10.7 at step 2, resumed with --target_val_loss set lower and --stop_at_target: the
+    checkpoint's target is not this one, so the run does not stop at step 2 but trains on (and says so); a
+    checkpoint whose recorded target the trainer never writes (an edited checkpoint.json) is resumed as if it
+    recorded none, and the run ends with its summary and report card."""
+    from conftest import run_main
+    base = TINY + ["--num_iterations=4", "--val_every=2", "--checkpoint_every=2"]
+    assert run_main(base + ["--run_id=a", "--target_val_loss=10.7", "--stop_after=2"], tmp_path).returncode == 0
+    first = json.loads((tmp_path / "a" / "step_000002" / "checkpoint.json").read_text())["target"]
+    assert first["step"] == 2 and first["val_loss"] == 10.7
+    resumed = run_main(base + ["--run_id=a", "--resume=latest", "--target_val_loss=1.0", "--stop_at_target=true"],
+                       tmp_path)
+    assert resumed.returncode == 0, resumed.stderr
+    summary = json.loads((tmp_path / "a.json").read_text())
+    assert summary["steps"] == 4 and summary["target"] == {"val_loss": 1.0, "step": None} and \
+        not summary["stopped_at_target"]
+    assert "note: the checkpoint's target, val loss <= 10.7, was reached at step 2; this launch's " \
+           "--target_val_loss=1.0 is looked for from here" in (tmp_path / "a.txt").read_text()
+    meta_path = tmp_path / "a" / "step_000002" / "checkpoint.json"
+    meta = json.loads(meta_path.read_text())
+    meta["target"] = {**first, "train_time_ms": None}
+    meta_path.write_text(json.dumps(meta))
+    edited = run_main(base + ["--run_id=b", f"--resume={meta_path.parent}", "--target_val_loss=10.7"], tmp_path)
+    assert edited.returncode == 0, edited.stderr
+    target = json.loads((tmp_path / "b.json").read_text())["target"]  # found again by the resumed validation
+    assert target["step"] == 2 and target["train_time_ms"] >= 0 and (tmp_path / "b.md").is_file()
 
 
 def test_the_report_card_says_what_a_person_reads_first(tiny_run):
