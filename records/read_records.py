@@ -536,8 +536,9 @@ def find_files(paths: list[str], skipped: list[tuple[str, str]]) -> list[Path]:
     for arg in paths:
         p = Path(arg)
         if p.is_dir():
-            candidates = sorted(
+            candidates = sorted(  # a checkpoint's checkpoint.json (beside its DCP .metadata) is not a run
                 q for q in p.rglob("*") if q.is_file() and q.suffix.lower() in (".txt", ".json", ".jsonl")
+                and not (q.name == "checkpoint.json" and (q.parent / ".metadata").exists())
             )
         elif p.is_file():
             candidates = [p]

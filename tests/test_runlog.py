@@ -214,6 +214,8 @@ def test_a_runs_metrics_file_holds_every_step_and_validation_and_the_reader_read
     summary = json.loads((tiny_run / "tiny.json").read_text())
     assert [[s, r["val_loss"], r["train_time_ms"]] for s, r in sorted(val.items())] == summary["val_curve"]
     assert [val[s]["tokens"] for s in (0, 2, 4)] == [0, 1024, 2048]
+    (run,), skipped = rr.read_runs([str(tiny_run)])  # the log folder, its checkpoints' checkpoint.json included
+    assert skipped == [] and run.finished and run.val_tokens == {0: 0, 2: 1024, 4: 2048}
 
 
 def train_losses_of(log):
