@@ -98,8 +98,8 @@ def recorded_target(meta: dict) -> dict | None:
                                                      "tokens", "energy_j"}:
         return None
     def amount(value, none_ok=False):
-        return none_ok and value is None or type(value) in (int, float) and math.isfinite(value) and value >= 0
-    steps_ok = all(type(found[key]) is int and 0 <= found[key] for key in ("step", "tokens"))
+        return none_ok and value is None or is_a(value, (int, float)) and math.isfinite(value) and value >= 0
+    steps_ok = all(is_a(found[key], int) and 0 <= found[key] for key in ("step", "tokens"))
     amounts_ok = all(amount(found[key]) for key in ("val_loss", "reached_val_loss", "train_time_ms"))
     return found if steps_ok and amounts_ok and amount(found["energy_j"], none_ok=True) else None
 

@@ -2518,6 +2518,7 @@ class Run:
     energy: EnergyMeter
     metrics: Metrics
     started: float  # when this launch started (time.perf_counter): its wall time
+    peak_tflops: float | None  # the device's dense bf16 peak, where runlog knows it: MFU's denominator, per GPU
     earlier_segments: list[dict] = dataclasses.field(default_factory=list)  # of the checkpoint resumed from
     earlier_target: dict | None = None  # where an earlier launch reached the target loss
 
@@ -2584,7 +2585,8 @@ def start(argv: list[str]) -> tuple[Hyperparameters, Runtime, RunFolder, Path | 
     return args, rt, folder, checkpoint, notes
 
 
-def set_up(args: Hyperparameters, rt: Runtime, folder: RunFolder, log: RunLog, started: float) -> Run:
+def set_up(args: Hyperparameters, rt: Runtime, folder: RunFolder, log: RunLog, started: float,
+           batches: BatchSchedule, sources: dict[str, str]) -> Run:
     """Data, model and optimizers: everything that can fail on bad input fails here, before step 0."""
     train_files = find_shards(args.train_files, "training")
     val_files = find_shards(args.val_files, "validation")
@@ -2599,7 +2601,7 @@ def set_up(args: Hyperparameters, rt: Runtime, folder: RunFolder, log: RunLog, s
     loader = DistributedTokenLoader(stream, args.seq_len, rt.rank, rt.world_size, args.bos_align, args.doc_len_cap,
                                     rt.device)
     record = {"run_id": folder.run_id, "hyperparameters": dataclasses.asdict(args), "runtime": rt.resolved(),
-              "source_sha256": sources_sha256(trainer_sources(Path(__file__)))}
+              "source_sha256": sources_sha256(sources)}  # the sources the log embeds
     checkpoints = Checkpoints(folder, args.checkpoint_keep, rt, log, record)
     metrics = Metrics(folder.metrics if rt.is_master else None,
                       folder.tensorboard if args.tensorboard and rt.is_master else None, say=log.write)
@@ -2608,8 +2610,8 @@ def set_up(args: Hyperparameters, rt: Runtime, folder: RunFolder, log: RunLog, s
         from evaluation import prepare_downstream
         hellaswag = prepare_downstream(args.sample_at_end, args.hellaswag_every, args.hellaswag_data, rt,
                                        model.context_len)
-    return Run(args, rt, log, batch_schedule(args, rt.world_size), model, step_model, opt, stream, loader,
-               StepTensors(args, rt.device), val_seqs, hellaswag, checkpoints, EnergyMeter.open(rt), metrics, started)
+    return Run(args, rt, log, batches, model, step_model, opt, stream, loader, StepTensors(args, rt.device), val_seqs,
+               hellaswag, checkpoints, EnergyMeter.open(rt), metrics, started, peak_tflops(device_name(rt)))
 
 
 def warm_up(run: Run) -> None:
@@ -2690,8 +2692,8 @@ def train_loop(run: Run, start_step: int, stop: StopSignal, resumed_from: Path |
                         validate(run, step, start_step, clock, results, watch)
                     if hellaswag_now:
                         from evaluation import score_during_training
-                        point, line = score_during_training(run.model, run.hellaswag_items, int(
-                            run.schedules.windows(step)[0]), rt, step, N)
+                        point, line = score_during_training(run.model, run.hellaswag_items,
+                                                            attention_windows(step, args)[0], rt, step, N)
                         results.hellaswag_curve.append(point)
                         run.log.write(line)
                 if step == N or args.stop_at_target and results.target and results.target["step"] == step:
@@ -2796,12 +2798,13 @@ def log_train_step(run: Run, step: int, start_step: int, loss: Tensor, clock: Cl
                         f"resume: {watch.hint()})")
     run.log.write(progress_line(step, args.num_iterations, **({"train_loss": train_loss} if train_loss is not None
                                                               else {}), train_time=ms, step_avg=ms / (step - start_step)))
+    if run.metrics.file is None:  # a rank that writes no metrics (not rank 0) has nothing more to count
+        return
     step_ms, tokens = ms - results.last_ms, run.batches.tokens(step - 1)
     flops = run.model.flops_per_token(attention_windows(step - 1, args), args.seq_len) * tokens
     results.flops, results.last_ms = results.flops + flops, ms
     seconds = max(step_ms, 1e-6) / 1000
-    peak = peak_tflops(device_name(rt))
-    tflops = flops / seconds / 1e12
+    tflops, peak = flops / seconds / 1e12, run.peak_tflops
     earlier = run.earlier_train_joules()
     own = run.energy.local_joules() if rt.world_size == 1 else None  # one rank: its counter is the whole run's
     run.metrics.write("train", step=step, tokens=run.tokens_through(start_step, step), train_loss=train_loss,
@@ -2845,11 +2848,12 @@ def finish(run: Run, start_step: int, end_step: int, clock: Clock, results: Resu
     samples = []
     if args.sample_at_end > 0 and rt.is_master:
         from evaluation import log_samples
-        samples = log_samples(run.model, args.sample_at_end, int(run.schedules.windows(end_step)[0]), args.seed, log)
+        samples = log_samples(run.model, args.sample_at_end, attention_windows(end_step, args)[0], args.seed, log)
     if args.checkpoint_final:
         run.save_checkpoint(end_step, segments, watch, results.target)
     if rt.is_master:
-        summary = run_summary(run, start_step, end_step, clock, results, recompiles, segments, energy, peak_mib)
+        summary = run_summary(run, start_step, end_step, clock, results, recompiles, segments, energy, peak_mib,
+                              tokens, total_ms)
         if args.hellaswag_every > 0:
             summary["hellaswag_curve"] = results.hellaswag_curve
         if args.sample_at_end > 0:
@@ -2860,14 +2864,14 @@ def finish(run: Run, start_step: int, end_step: int, clock: Clock, results: Resu
 
 
 def run_summary(run: Run, start_step: int, end_step: int, clock: Clock, results: Results,
-                recompiles: RecompileWatch, segments: list[dict], energy: dict | None, peak_mib: float) -> dict:
-    """The run's JSON summary: what records/read_records.py and the report card read."""
+                recompiles: RecompileWatch, segments: list[dict], energy: dict | None, peak_mib: float, tokens: int,
+                total_ms: float | None) -> dict:
+    """The run's JSON summary (tokens and total_ms: run_totals of its segments): what records/read_records.py and
+    the report card read."""
     args, rt = run.args, run.rt
-    tokens, total_ms = run_totals(segments, run.batches)
     train_s = (total_ms or clock.ms) / 1000
     kwh = energy["train"] / 3.6e6 if energy else None
     tflops = results.flops / max(clock.ms / 1000, 1e-9) / 1e12
-    peak = peak_tflops(device_name(rt))
     walls = [s["wall_time_s"] for s in segments]
     stages = [[run.batches.first_step(i), n, a]
               for i, (n, a) in enumerate(zip(run.batches.stage_tokens, run.batches.stage_accum))]
@@ -2882,20 +2886,21 @@ def run_summary(run: Run, start_step: int, end_step: int, clock: Clock, results:
             "stopped_at_target": end_step < args.num_iterations, "val_curve": results.val_curve,
             "segments": segments, "total_train_time_ms": total_ms, "resumes": len(segments) - 1,
             "wall_time_s": None if None in walls else sum(walls), "tokens_per_s": tokens / train_s,
-            "tflops": tflops, "mfu": tflops / (peak * rt.world_size) if peak else None,
+            "tflops": tflops, "mfu": tflops / (run.peak_tflops * rt.world_size) if run.peak_tflops else None,
             "recompiles_after_warmup": recompiles.count, "step_avg_ms": clock.ms / max(end_step - start_step, 1),
             "runtime": {**rt.resolved(), "grad_accum_steps": run.batches.stage_accum[-1], "batch_stages": stages},
             "hyperparameters": dataclasses.asdict(args), "status": "finished"}
 
 
-def write_log_header(log: RunLog, args: Hyperparameters, rt: Runtime, run_id: str) -> None:
+def write_log_header(log: RunLog, args: Hyperparameters, rt: Runtime, run_id: str,
+                     batches: BatchSchedule) -> dict[str, str]:
     """The sources (this file and the siblings it uses), every resolved hyperparameter and the environment, before
-    the first step line."""
+    the first step line. Returns the sources, read once: the checkpoints' source hash is of what the log holds."""
     if args.hellaswag_every > 0 or args.sample_at_end > 0:
         import evaluation  # noqa: F401  (imported now, so that its source is embedded below)
-    batches = batch_schedule(args, rt.world_size)
+    sources = trainer_sources(Path(__file__))
     accum = "/".join(map(str, batches.stage_accum))  # one number per batch stage
-    write_header(log, trainer_sources(Path(__file__)), dataclasses.asdict(args),
+    write_header(log, sources, dataclasses.asdict(args),
                  {"grad_accum_steps": accum, "batch_stage_tokens": "/".join(map(str, batches.stage_tokens))},
                  environment_lines(rt) if rt.is_master else [])
     for line in [f"run {run_id}: preset {args.preset}, {rt.world_size} rank(s) x {accum} micro-step(s), "
@@ -2903,6 +2908,7 @@ def write_log_header(log: RunLog, args: Hyperparameters, rt: Runtime, run_id: st
                  left_out_line(args), *device_notes(args.fp8_head, rt)]:
         if line:
             log.write(line)
+    return sources
 
 
 def out_of_memory(e: BaseException, args: Hyperparameters, rt: Runtime) -> UsageError:
@@ -2938,11 +2944,12 @@ def train(argv: list[str], stop: StopSignal) -> int:
     log = RunLog(folder.log if rt.is_master else None)
     lock_run_log(log, folder.run_id)
     try:
-        write_log_header(log, args, rt, folder.run_id)
+        batches = batch_schedule(args, rt.world_size)
+        sources = write_log_header(log, args, rt, folder.run_id, batches)
         clean_stale_staging(folder, log)
         for note in notes:
             log.write(note)
-        run = set_up(args, rt, folder, log, started)
+        run = set_up(args, rt, folder, log, started, batches, sources)
         try:
             if checkpoint is not None:  # before the warm-up's compiles
                 check_same_tensors(checkpoint, training_state(run.model, run.opt, run.stream, 0), rt,

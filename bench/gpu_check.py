@@ -117,7 +117,7 @@ BUDGET_S = {part: share for part, (share, _) in PLAN.items()}
 # The least time in which a part can finish at all (a process starts in ~10 s; (e) compiles for 2 min or more).
 MIN_S = {"tests": 30, "fp8": 20, "flex": 20, "resume": 30, "speedrun": 120}
 KILL_GRACE_S = 10  # SIGTERM to the part's process group, then SIGKILL after this long
-PART_LETTERS = dict(zip(["tests", "fp8", "flex", "resume", "speedrun"], "abcde"))
+PART_LETTERS = dict(zip(BUDGET_S, "abcde"))  # (a) to (e), in the plan's order
 LEFT_TO_SPEEDRUN = "tests/test_model.py::test_speedrun_model_compiled_step_on_cuda"  # (e) covers it, as trained
 NOT_RUN = ("skipped", "not checked")  # a row's result when its check did not run at all
 
@@ -606,7 +606,7 @@ def print_table(rows: list) -> None:
 def finish(rows: list, details: dict, out: Path) -> int:
     print_table(rows)
     write_json(out, rows, details)
-    unchecked = [r for r in rows if r[1].startswith(("skipped", "not checked", "timeout"))]
+    unchecked = [r for r in rows if r[1].startswith((*NOT_RUN, "timeout"))]
     if unchecked:
         say("not checked: " + "; ".join(f"{r[0]} ({r[1].removeprefix('skipped: ').removeprefix('not checked: ')})"
                                         for r in unchecked))

@@ -81,7 +81,6 @@ class ProgressLine:
     step: int | None  # None for the final and target lines
     total: int | None
     fields: dict[str, float]
-    head: str = "step"  # step | final | target (where the run first reached its target loss)
 
 
 def parse_progress_line(line: str) -> ProgressLine | None:
@@ -109,7 +108,7 @@ def parse_progress_line(line: str) -> ProgressLine | None:
             return None
         if not sep or not name.replace("_", "").isalnum():
             return None
-    return ProgressLine(step, total, values, words[0][:-1] if step is None else "step") if values else None
+    return ProgressLine(step, total, values) if values else None
 
 
 INSTALL_HINT = "pip install -r requirements-extras.txt"
@@ -264,30 +263,27 @@ def log_sources(text: str) -> tuple[dict[str, str], list[str]]:
     return sources, rest
 
 
-def log_body(text: str) -> list[str]:
-    """A project log's lines without its embedded sources."""
-    return log_sources(text)[1]
+def hyperparameter_blocks(lines: list[str]) -> list[dict[str, str]]:
+    """Each launch's 'hyperparameters:' block of a project log (a resumed run's log has one per launch), as
+    name -> value text, in order; a block ends at its first line that is not 'name = value'."""
+    blocks: list[dict[str, str]] = []
+    for i, line in enumerate(lines):
+        if line.startswith("hyperparameters:"):
+            blocks.append({})
+            for value_line in lines[i + 1:]:
+                m = HPARAM_RE.match(value_line)
+                if not m:
+                    break
+                blocks[-1][m.group(1)] = m.group(2)
+    return blocks
 
 
 def parse_project_txt(path: Path, text: str) -> Run:
-    """Parse a human log written by this project's train_gpt.py."""
-    if SOURCE_BEGIN not in text.splitlines():
-        raise UsageError("unknown format: no train_gpt.py source block")
-    body = log_body(text)
-
-    hyper: dict[str, Any] = {}
+    """Parse a human log written by this project's train_gpt.py (parse_txt tells it by its source block)."""
+    body = log_sources(text)[1]
+    hyper: dict[str, Any] = {k: v for block in hyperparameter_blocks(body) for k, v in block.items()}  # last wins
     env: dict[str, str] = {}
-    in_hyper = False
     for line in body:
-        if line.startswith("hyperparameters:"):
-            in_hyper = True
-            continue
-        if in_hyper:
-            m = HPARAM_RE.match(line)
-            if m:
-                hyper[m.group(1)] = m.group(2)
-                continue
-            in_hyper = False
         for key in ("device", "world_size", "python", "torch", "cuda"):
             if line.startswith(key + ":") and key not in env:
                 env[key] = line[len(key) + 1:].strip()
@@ -652,8 +648,7 @@ def read_metrics(path: Path) -> Metrics:
 def parse_metrics_run(path: Path, skipped: list[tuple[str, str]]) -> Run:
     """A run known only by its metrics file (its log unfinished or gone): its validation curve, to be plotted; it
     is never judged against the target. What could not be read goes into skipped."""
-    metrics = read_metrics(path)
-    skipped += [(str(path), reason) for reason in metrics.skipped]
+    metrics = read_metrics_noting(path, skipped)
     val = [metrics.records["val"][step] for step in sorted(metrics.records["val"])]
     if not val:
         raise UsageError("no validation record")
@@ -662,18 +657,29 @@ def parse_metrics_run(path: Path, skipped: list[tuple[str, str]]) -> Run:
                fmt="metrics", final_val_loss=last["val_loss"], steps=last["step"], tokens=last["tokens"],
                train_time_ms=last["train_time_ms"], finished=False,
                val_curve=[(r["step"], r["val_loss"], r["train_time_ms"]) for r in val if r["val_loss"] is not None],
-               val_tokens={r["step"]: r["tokens"] for r in val if r["tokens"] is not None})
+               val_tokens=val_tokens(metrics))
+
+
+def read_metrics_noting(path: Path, skipped: list[tuple[str, str]]) -> Metrics:
+    """read_metrics, with the reason for each line it could not read added to skipped."""
+    metrics = read_metrics(path)
+    skipped += [(str(path), reason) for reason in metrics.skipped]
+    return metrics
+
+
+def val_tokens(metrics: Metrics) -> dict[int, int]:
+    """The training tokens at each validation step."""
+    return {step: r["tokens"] for step, r in metrics.records["val"].items() if r["tokens"] is not None}
 
 
 def metrics_val_tokens(path: Path, skipped: list[tuple[str, str]]) -> dict[int, int]:
-    """The training tokens at each validation step of a metrics file; what could not be read is said once."""
+    """The training tokens at each validation step of a finished run's metrics file; what could not be read is
+    said once."""
     try:
-        metrics = read_metrics(path)
+        return val_tokens(read_metrics_noting(path, skipped))
     except UsageError as exc:
         skipped.append((str(path), str(exc)))
         return {}
-    skipped += [(str(path), reason) for reason in metrics.skipped]
-    return {step: r["tokens"] for step, r in metrics.records["val"].items() if r["tokens"] is not None}
 
 
 def group_label(run: Run, key: str | None) -> str:

@@ -21,23 +21,16 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from records.read_records import HPARAM_RE, log_sources  # noqa: E402  (the run log's one reader)
+from records.read_records import hyperparameter_blocks, log_sources  # noqa: E402  (the run log's one reader)
 from tools.cli import OneLineArgumentParser, UsageError, run_cli  # noqa: E402
 
 
 def logged_hyperparameters(lines: list[str]) -> dict[str, str]:
-    """The first launch's 'hyperparameters:' block as name -> value text (derived lines left out)."""
-    start = lines.index("hyperparameters:") if "hyperparameters:" in lines else None
-    if start is None:
+    """The first launch's 'hyperparameters:' block as name -> value text."""
+    blocks = hyperparameter_blocks(lines)
+    if not blocks:
         raise UsageError("the log has no hyperparameters block: it is cut short, or not a train_gpt.py log")
-    values = {}
-    for line in lines[start + 1:]:
-        m = HPARAM_RE.match(line)
-        if not m:
-            break
-        if not m.group(1).startswith("("):
-            values[m.group(1)] = m.group(2)
-    return values
+    return blocks[0]
 
 
 def as_flag(name: str, text: str) -> str:
@@ -45,8 +38,8 @@ def as_flag(name: str, text: str) -> str:
     return f"--{name}={text.lower() if text in ('True', 'False', 'None') else text}"
 
 
-def rebuild(log: Path, out_dir: Path) -> list[str]:
-    """Writes the log's sources into out_dir; returns the command that reruns the run."""
+def rebuild(log: Path, out_dir: Path) -> tuple[list[str], list[str]]:
+    """Writes the log's sources into out_dir; returns the command that reruns the run and the files written."""
     try:
         text = log.read_text(encoding="utf-8")
     except OSError as e:
@@ -64,7 +57,7 @@ def rebuild(log: Path, out_dir: Path) -> list[str]:
             (out_dir / name).write_text(source, encoding="utf-8")
     except OSError as e:
         raise UsageError(f"cannot write into {out_dir} ({e.strerror or e}); pass a folder you can write") from None
-    return [sys.executable, str(out_dir / "train_gpt.py"), *(as_flag(n, v) for n, v in values.items())]
+    return [sys.executable, str(out_dir / "train_gpt.py"), *(as_flag(n, v) for n, v in values.items())], sorted(sources)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -72,8 +65,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("log", type=Path, help="a <run_id>.txt that train_gpt.py wrote")
     p.add_argument("out_dir", type=Path, help="where to write the sources (made if missing)")
     opts = p.parse_args(argv)
-    command = rebuild(opts.log, opts.out_dir)
-    print(f"wrote {', '.join(sorted(p.name for p in opts.out_dir.iterdir()))} into {opts.out_dir}; rerun with:")
+    command, written = rebuild(opts.log, opts.out_dir)
+    print(f"wrote {', '.join(written)} into {opts.out_dir}; rerun with:")
     print(shlex.join(command))
     return 0
 
