@@ -33,7 +33,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
 from flags import RunFailed, UsageError
-from runlog import RunFolder, RunLog
+from runlog import RunFolder, RunLog, end_torn_line
 
 # `place` below is train_gpt.py's Place (or Runtime): this process's rank, world_size and device.
 
@@ -289,7 +289,8 @@ class Checkpoints:
 
 def lock_run_log(log: RunLog, run_id: str) -> None:
     """Rank 0 holds an exclusive lock on its run log while it lives, which tells later runs in the same
-    log_dir that this run's staging folders are in use (the lock dies with the process, even on kill -9)."""
+    log_dir that this run's staging folders are in use (the lock dies with the process, even on kill -9). Then a
+    last line that a crash cut short is ended, so this launch's lines start on lines of their own."""
     if log.file is None:
         return
     try:
@@ -299,6 +300,10 @@ def lock_run_log(log: RunLog, run_id: str) -> None:
                          "end or pick another --run_id") from None
     except OSError:
         pass  # a filesystem without locks: stale staging folders of other runs are then left alone
+    try:
+        end_torn_line(log.file)  # only now: a live owner's log is never touched
+    except OSError as e:
+        raise UsageError(f"cannot write run log {log.path}: {e.strerror}; free disk space") from None
 
 
 def owner_is_gone(log_path: Path) -> bool:

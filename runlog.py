@@ -50,8 +50,22 @@ class RunFolder:
     checkpoints = _named_for_the_run("")
 
 
+def end_torn_line(file) -> None:
+    """The rule for appending to a file a crash may have cut short (the run log, the metrics file): a last line
+    without its newline is ended first, so the torn line stays a line of its own and the new ones start clean."""
+    if file.tell() == 0:
+        return
+    with open(file.name, "rb") as tail:
+        tail.seek(-1, os.SEEK_END)
+        torn = tail.read(1) != b"\n"
+    if torn:
+        file.write("\n")
+        file.flush()
+
+
 class RunLog:
-    """Rank 0's human-readable log: every line is flushed, so a crash never loses what was written."""
+    """Rank 0's human-readable log: every line is flushed, so a crash never loses what was written. Whoever holds
+    its lock (checkpoints.lock_run_log) ends a line a crash tore (end_torn_line) before writing."""
 
     def __init__(self, path: Path | None):
         self.path = path
@@ -438,18 +452,23 @@ class Metrics:
             return
         try:
             self.file = open(path, "a", encoding="utf-8")
+            end_torn_line(self.file)
         except OSError as e:
             raise UsageError(f"cannot open metrics file {path}: {e.strerror}; pick a writable --log_dir") from None
         if tensorboard is not None:
             try:
                 from torch.utils.tensorboard import SummaryWriter
                 self.board = SummaryWriter(str(tensorboard))
-            except ImportError:
+            except ImportError:  # the package is missing
                 say("warning: --tensorboard=true needs the tensorboard package: pip install tensorboard; the run "
                     "goes on without it (the metrics file has the same numbers)")
             except OSError as e:  # its folder's name is taken by a file, or cannot be made
                 say(f"warning: --tensorboard=true cannot write {tensorboard} ({e.strerror}); the run goes on "
                     "without it (the metrics file has the same numbers)")
+            except Exception as e:  # a broken or mismatched install fails on import in its own ways
+                reason = (str(e).strip().splitlines() or [""])[0][:160]
+                say(f"warning: --tensorboard=true cannot load tensorboard ({type(e).__name__}: {reason}); the run goes "
+                    "on without it (the metrics file has the same numbers); reinstall it: pip install tensorboard")
 
     def write(self, kind: str, **values) -> None:
         if self.file is None:
@@ -466,11 +485,78 @@ class Metrics:
                 if key not in ("kind", "step") and value is not None:
                     self.board.add_scalar(f"{kind}/{key}", value, record["step"])
 
+    def carry_over(self, checkpoint: Path, step: int) -> None:
+        """A run resumed from another run's checkpoint (<log_dir>/<run_id>/step_N) continues that run: its records
+        through `step` come first, so that this run's metrics file holds the whole run."""
+        other = checkpoint.parent.parent / f"{checkpoint.parent.name}.metrics.jsonl"
+        if self.file is None or not other.is_file() or other.resolve() == self.path.resolve():
+            return
+        order = list(METRIC_KEYS)  # at a step: its training, its validation, the target it reached
+        earlier = recorded(other, step)
+        for _, _, record in sorted((s, order.index(kind), r) for kind, of_kind in earlier.items()
+                                   for s, r in of_kind.items()):
+            self.write(record["kind"], **{k: v for k, v in record.items() if k != "kind"})
+
     def close(self) -> None:
         if self.board is not None:
             self.board.close()
         if self.file is not None:
             self.file.close()
+
+
+def recorded(path: Path | None, through: int) -> dict[str, dict[int, dict]]:
+    """The records of a metrics file by kind and step, through step `through`, as records/read_records.py's
+    read_metrics keeps them (a launch's train or val record of a step leaves out what earlier launches recorded after
+    it, and its train record what they recorded at it): the trainer reading back what it wrote, every launch of the
+    run, for its summary's curve and its target. Lines it cannot read are passed over."""
+    records, highest = {kind: {} for kind in METRIC_KEYS}, -1
+    try:
+        lines = path.read_text(encoding="utf-8", errors="replace").splitlines() if path else []
+    except OSError:
+        lines = []
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except (ValueError, RecursionError):
+            continue
+        step, kind = (record.get("step"), record.get("kind")) if isinstance(record, dict) else (None, None)
+        if not isinstance(step, int) or isinstance(step, bool) or kind not in METRIC_KEYS:
+            continue
+        if kind != "target" and (step < highest or kind == "train" and step == highest):
+            for of_kind in records.values():
+                for stale in [s for s in of_kind if s > step or s == step and kind == "train"]:
+                    del of_kind[stale]
+        highest = highest if kind == "target" else step
+        records[kind][step] = record
+    return {kind: {s: r for s, r in of_kind.items() if s <= through} for kind, of_kind in records.items()}
+
+
+def recorded_validations(path: Path | None, through: int) -> dict[int, dict]:
+    """The val records of a metrics file by step, through step `through` (recorded)."""
+    return recorded(path, through)["val"]
+
+
+def target_among(validations: dict[int, dict], target: float) -> dict | None:
+    """Where the first of these validations reached the target loss (as train_gpt's target_reached records it)."""
+    first = next((r for _, r in sorted(validations.items()) if r.get("val_loss") is not None and
+                  r["val_loss"] <= target), None)
+    return first and {"val_loss": target, "reached_val_loss": first["val_loss"], "step": first["step"],
+                      "train_time_ms": first["train_time_ms"], "tokens": first["tokens"], "energy_j": first["energy_j"]}
+
+
+def run_curve(path: Path | None, end_step: int) -> list[list]:
+    """The run's validation curve through end_step, [step, val_loss, train_time_ms] at the run's training time (every
+    launch counted), from its metrics file: the summary's val_curve."""
+    return [[step, record["val_loss"], record["train_time_ms"]]
+            for step, record in sorted(recorded_validations(path, end_step).items()) if record["val_loss"] is not None]
+
+
+def target_among(validations: dict[int, dict], target: float) -> dict | None:
+    """Where the first of these validations reached the target loss (as train_gpt's target_reached records it)."""
+    first = next((r for _, r in sorted(validations.items()) if r.get("val_loss") is not None and
+                  r["val_loss"] <= target), None)
+    return first and {"val_loss": target, "reached_val_loss": first["val_loss"], "step": first["step"],
+                      "train_time_ms": first["train_time_ms"], "tokens": first["tokens"], "energy_j": first["energy_j"]}
 
 
 def finite_or_none(value):

@@ -73,12 +73,12 @@ from torch import Tensor  # noqa: E402
 from lifecycle import (TORCH_API, Interrupted, StopSignal, check_torch_install, device_notes,  # noqa: E402
                        end_distributed, is_collective_failure, keep_freed_host_memory)
 from checkpoints import (Checkpoints, FiniteWatch, FlatShard, check_same_tensors, choose_checkpoint,  # noqa: E402
-                         claim_run_folder, clean_stale_staging, local_part, lock_run_log, read_checkpoint_meta, segment,
-                         training_state)
+                         claim_run_folder, clean_stale_staging, gather_objects, local_part, lock_run_log,
+                         read_checkpoint_meta, segment, training_state)
 from runlog import (ENERGY_PHASES, Clock, EnergyMeter, Metrics, RecompileWatch, RunFolder, RunLog,  # noqa: E402
                     device_name, energy_line, environment_lines, git_commit, git_dirty, make_profiler, peak_memory_mib,
-                    peak_tflops, progress_bar, progress_line, report_card, sources_sha256,
-                    trainer_sources, write_header, write_report, write_summary)
+                    peak_tflops, progress_bar, progress_line, recorded_validations, report_card, run_curve,
+                    sources_sha256, target_among, trainer_sources, write_header, write_report, write_summary)
 from flags import (ANY_BOOL, ANY_TEXT, BETA, EXIT_OK, EXIT_PEER_LOST, EXIT_RUN_FAILED, EXIT_USAGE, LR,  # noqa: E402,F401
                    NON_EMPTY, OPTIONAL_BETA, PLAIN_NAME, UNIT, Rule, RunFailed, UsageError, as_flags, field_types, flag,
                    flag_text, help_lines, integer, number, one_of, parse_overrides)
@@ -2551,10 +2551,8 @@ class Run:
 
 @dataclass
 class Results:
-    """What the loop has measured so far: the JSON summary's curves, where the target was reached, and this
-    launch's model FLOPs (for its mean TFLOP/s and MFU)."""
+    """What the loop measured so far: the last val loss, the HellaSwag curve, the target, this launch's FLOPs."""
     val_loss: float = float("nan")
-    val_curve: list = dataclasses.field(default_factory=list)  # [step, val_loss, train_time_ms]
     hellaswag_curve: list = dataclasses.field(default_factory=list)  # [step, acc, acc_norm, examples]
     target: dict | None = None  # where a validation first reached --target_val_loss (target_reached)
     flops: float = 0.0
@@ -2638,13 +2636,18 @@ def resume(run: Run, checkpoint: Path | None) -> int:
         return 0
     state = run.checkpoints.load(checkpoint, training_state(run.model, run.opt, run.stream, 0))
     run.stream.load_state(state.loader)
-    run.earlier_segments, run.earlier_target = state.segments, state.target
-    run.log.write(f"resumed from {checkpoint} at step {state.step}")
-    if state.target and state.target["val_loss"] != run.args.target_val_loss:  # the target is another one now
-        run.log.write(f"note: the checkpoint's target, val loss <= {state.target['val_loss']}, was reached at step "
-                      f"{state.target['step']}; this launch's --target_val_loss={run.args.target_val_loss} is looked "
-                      "for from here")
-        run.earlier_target = None
+    run.earlier_segments, run.earlier_target, target = state.segments, state.target, run.args.target_val_loss
+    run.log.write(f"resumed from {checkpoint} at step {state.step} after {run.earlier_train_ms():.0f} ms of training")
+    run.metrics.carry_over(checkpoint, state.step)
+    if not state.target or state.target["val_loss"] != target:  # another target: the run's validations so far say
+        found = target_among(recorded_validations(run.metrics.path, through=state.step), target)
+        run.earlier_target = gather_objects(found, run.rt)[0]  # rank 0 has the metrics file
+        if state.target:
+            run.log.write(f"note: the checkpoint's target, val loss <= {state.target['val_loss']}, was reached at "
+                          f"step {state.target['step']}; this launch's --target_val_loss={target} is " + (
+                              "reached at an earlier validation" if found else "looked for from here"))
+        if run.earlier_target:
+            target_reached(run, run.earlier_target)
     return state.step
 
 
@@ -2696,7 +2699,7 @@ def train_loop(run: Run, start_step: int, stop: StopSignal, resumed_from: Path |
                                                             attention_windows(step, args)[0], rt, step, N)
                         results.hellaswag_curve.append(point)
                         run.log.write(line)
-                if step == N or args.stop_at_target and results.target and results.target["step"] == step:
+                if step == N or args.stop_at_target and results.target and results.target["step"] <= step:
                     end_step = step
                     break
                 clock.start()
@@ -2734,33 +2737,31 @@ def validate(run: Run, step: int, start_step: int, clock: Clock, results: Result
     """Validation loss on the whole held-out budget, logged with the training time and energy so far; the first
     one at or below --target_val_loss marks the run (target_reached)."""
     results.val_loss = evaluate(run.step_model, run.val_seqs, run.schedules.windows(step), run.rt)
-    results.val_curve.append([step, results.val_loss, clock.ms])
     energy, earlier = run.energy.totals(run.rt), run.earlier_train_joules()
     joules = energy["train"] if energy else None
     run.log.write(progress_line(step, run.args.num_iterations, val_loss=results.val_loss, train_time=clock.ms,
                                 step_avg=clock.ms / max(step - start_step, 1),
                                 **({"energy": joules} if joules is not None else {})))
     run_joules = joules + earlier if joules is not None and earlier is not None else None
-    tokens, train_ms = run.tokens_through(start_step, step), run.earlier_train_ms() + clock.ms
-    run.metrics.write("val", step=step, tokens=tokens, val_loss=results.val_loss, train_time_ms=train_ms,
-                      energy_j=run_joules)
+    val = {"step": step, "tokens": run.tokens_through(start_step, step), "val_loss": results.val_loss,
+           "train_time_ms": run.earlier_train_ms() + clock.ms, "energy_j": run_joules}  # the run's, every launch's
+    run.metrics.write("val", **val)
     if not math.isfinite(results.val_loss):
         raise RunFailed(f"validation loss is {results.val_loss} at step {step}; the run diverged "
                         f"(lower the learning rates and resume: {watch.hint()})")
-    if results.target is None and results.val_loss <= run.args.target_val_loss:
-        results.target = target_reached(run, step, tokens, train_ms, run_joules, results.val_loss)
+    if results.target is None and (reached := target_among({step: val}, run.args.target_val_loss)):
+        results.target = target_reached(run, reached)
 
 
-def target_reached(run: Run, step: int, tokens: int, train_ms: float, joules: float | None, val_loss: float) -> dict:
-    """Where the run first reached its target loss, as the log's target line and the summary record it: the step,
-    the run's training time, tokens and training energy (ranks and launches summed) up to it."""
-    reached = {"val_loss": run.args.target_val_loss, "reached_val_loss": val_loss, "step": step,
-               "train_time_ms": train_ms, "tokens": tokens, "energy_j": joules}
-    run.log.write(progress_line(None, run.args.num_iterations, head="target:", val_loss=val_loss,
-                                target_val_loss=run.args.target_val_loss, steps=step, tokens=tokens,
-                                train_time=train_ms, **({"energy": joules} if joules is not None else {})))
-    run.metrics.write("target", step=step, tokens=tokens, val_loss=val_loss, target_val_loss=run.args.target_val_loss,
-                      train_time_ms=train_ms, energy_j=joules)
+def target_reached(run: Run, reached: dict) -> dict:
+    """Where the run first reached its target loss (runlog.target_among), into the log's target line and the
+    metrics: the step, the run's training time, tokens and training energy (ranks and launches summed)."""
+    joules = {"energy": reached["energy_j"]} if reached["energy_j"] is not None else {}
+    run.log.write(progress_line(None, run.args.num_iterations, head="target:", val_loss=reached["reached_val_loss"],
+                                target_val_loss=reached["val_loss"], steps=reached["step"], tokens=reached["tokens"],
+                                train_time=reached["train_time_ms"], **joules))
+    run.metrics.write("target", **{**reached, "val_loss": reached["reached_val_loss"],
+                                   "target_val_loss": reached["val_loss"]})
     return reached
 
 
@@ -2883,7 +2884,7 @@ def run_summary(run: Run, start_step: int, end_step: int, clock: Clock, results:
             "tokens_per_kwh": tokens / kwh if kwh else None, "energy": energy,
             **({} if energy else {"energy_reason": run.energy.reason or "no rank could read an energy counter"}),
             "target": results.target or {"val_loss": args.target_val_loss, "step": None},
-            "stopped_at_target": end_step < args.num_iterations, "val_curve": results.val_curve,
+            "stopped_at_target": end_step < args.num_iterations, "val_curve": run_curve(run.metrics.path, end_step),
             "segments": segments, "total_train_time_ms": total_ms, "resumes": len(segments) - 1,
             "wall_time_s": None if None in walls else sum(walls), "tokens_per_s": tokens / train_s,
             "tflops": tflops, "mfu": tflops / (run.peak_tflops * rt.world_size) if run.peak_tflops else None,

@@ -122,6 +122,7 @@ SMI_GPU_RE = re.compile(
     r"^\|\s+(\d+)\s+(.+?)\s+(?:On|Off)\s+\|\s+[0-9A-Fa-f]{4,8}:[0-9A-Fa-f]{2}:"
 )
 ENERGY_RE = re.compile(r"^energy:\s+([0-9.eE+-]+)\s*J\s*\(\s*([0-9.eE+-]+)\s*kWh\)")
+RESUMED_RE = re.compile(r"^resumed from .* at step \d+ after ([0-9.]+) ms of training")
 PEAK_RE = re.compile(r"^peak memory allocated:\s*([0-9.]+)\s*MiB")
 
 
@@ -216,17 +217,28 @@ def _gpus_from_smi(lines: list[str]) -> list[str]:
 
 
 def _scan_steps(lines: list[str]):
-    """Collect validation points and the last step seen from data lines."""
-    curve: list[tuple[int, float, float]] = []
+    """Collect validation points and the last step seen from data lines. A launch that resumed a run (this project's
+    'resumed from ... after T ms of training' line) redoes the steps after the one it resumed from: its lines
+    replace what earlier launches logged of them (as read_metrics reads a metrics file), and its launch-local times
+    count the training before it, so that the curve is the run's."""
+    curve: dict[int, tuple[int, float, float]] = {}
     last: tuple[int, int] | None = None
+    earlier_ms = 0.0
     for line in lines:
+        resumed = RESUMED_RE.match(line)
+        if resumed:
+            earlier_ms = float(resumed.group(1))
         parsed = parse_progress_line(line) if line.startswith("step:") else None
         if parsed is None:
             continue
         last = (parsed.step, parsed.total)
-        if "val_loss" in parsed.fields:
-            curve.append((parsed.step, parsed.fields["val_loss"], parsed.fields.get("train_time", math.nan)))
-    return curve, last
+        val = "val_loss" in parsed.fields
+        for stale in [step for step in curve if step > parsed.step or step == parsed.step and not val]:
+            del curve[stale]
+        if val:
+            curve[parsed.step] = (parsed.step, parsed.fields["val_loss"],
+                                  parsed.fields.get("train_time", math.nan) + earlier_ms)
+    return sorted(curve.values()), last
 
 
 def _not_finished_reason(lines: list[str], text: str, last, what: str) -> str:
@@ -340,18 +352,19 @@ def parse_project_txt(path: Path, text: str) -> Run:
                     pass
     if run.tokens_per_kwh is None and run.tokens and run.energy_kwh:
         run.tokens_per_kwh = run.tokens / run.energy_kwh
-    for line in body:
+    try:
+        looked_for = float(hyper["target_val_loss"]) if "target_val_loss" in hyper else None  # the last launch's
+    except ValueError:
+        looked_for = None
+    for line in body:  # the last launch that looked for this target logged where the run reached it, if it did
         target = parse_progress_line(line) if line.startswith("target:") else None
-        if target is not None and run.target_step is None:
+        if target is not None and (looked_for is None or round(looked_for, 4) == target.fields.get("target_val_loss")):
             fields = target.fields
             run.target_loss, run.target_step = fields.get("target_val_loss"), fields.get("steps")
             run.target_train_time_ms, run.target_tokens = fields.get("train_time"), fields.get("tokens")
             run.target_energy_j = fields.get("energy")
-    if run.target_loss is None and "target_val_loss" in hyper:
-        try:
-            run.target_loss = float(hyper["target_val_loss"])
-        except ValueError:
-            pass
+    if run.target_loss is None:
+        run.target_loss = looked_for
     return run
 
 
@@ -587,16 +600,17 @@ def read_runs(paths: list[str]) -> tuple[list[Run], list[tuple[str, str]]]:
             run = next(iter(parsed.values()))
         else:
             continue
-        if "metrics" in pair and run.finished:  # a finished run's tokens at each validation come from its metrics
-            run.val_tokens = metrics_val_tokens(pair["metrics"], skipped)
+        if "metrics" in pair and run.finished:  # the run's curve, every launch of it, is its metrics file's
+            from_metrics(run, pair["metrics"], skipped)
         runs.append(run)
     return runs, skipped
 
 
 @dataclass
 class Metrics:
-    """What a metrics file held that could be read: its records of each kind by step (the last record of a step
-    wins: a resumed run appends), and why each line that could not be read was skipped."""
+    """What a metrics file held that could be read: its records of each kind by step, as the run's last timeline
+    has them (a resumed launch appends, and its records replace what earlier launches recorded of the steps it
+    redoes: supersede), and why each line that could not be read was skipped."""
     records: dict[str, dict[int, dict]]
     skipped: list[str]
 
@@ -604,8 +618,8 @@ class Metrics:
 def read_metrics(path: Path) -> Metrics:
     """The one reader of <run_id>.metrics.jsonl (runlog.Metrics writes it): every line a JSON object of a known kind
     whose values meet METRIC_RULES (a number, or null where the run could not measure it). A line that does not (a
-    last line a crash cut short, a wrong type) is skipped with its reason; a key this reader does not know is left
-    out and said once; the rest is read."""
+    line a crash cut short, a wrong type) is skipped with its reason; a key this reader does not know is left out
+    and said once; the rest is read."""
     try:
         lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
     except OSError as exc:
@@ -613,14 +627,15 @@ def read_metrics(path: Path) -> Metrics:
     records: dict[str, dict[int, dict]] = {kind: {} for kind in METRIC_KINDS}
     skipped: list[str] = []
     unknown: set[str] = set()
+    highest = -1  # the highest step read so far: a record below it starts a launch that redoes the steps after it
     for index, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
             record = json.loads(line)
         except (ValueError, RecursionError):  # not JSON, or nested deeper than Python's parser goes
-            last = index == len(lines)
-            skipped.append(f"line {index}: " + ("cut short (the run stopped while writing it)" if last else
+            torn = line.startswith("{") and not line.rstrip().endswith("}")  # the writer's line, its end missing
+            skipped.append(f"line {index}: " + ("cut short (the run stopped while writing it)" if torn else
                                                 "not JSON"))
             continue
         kind = record.get("kind") if isinstance(record, dict) else None
@@ -637,12 +652,24 @@ def read_metrics(path: Path) -> Metrics:
         if values["step"] is None:
             skipped.append(f"line {index}: no step")
             continue
-        records[kind][values["step"]] = values
+        step = values["step"]
+        if kind != "target" and (step < highest or kind == "train" and step == highest):
+            supersede(records, step, kind)
+        highest = highest if kind == "target" else step  # a target record notes an earlier validation: no launch
+        records[kind][step] = values
     if len(skipped) > LINE_REASONS:  # a file of another kind under this name: a few reasons say it
         skipped[LINE_REASONS:] = [f"and {len(skipped) - LINE_REASONS} more line(s) that could not be read"]
     if unknown:
         skipped.append(f"unknown key(s) {', '.join(sorted(unknown))} left out")
     return Metrics(records, skipped)
+
+
+def supersede(records: dict[str, dict[int, dict]], step: int, kind: str) -> None:
+    """A resumed launch redoes every step after the one it resumed from: its train or val record of `step` leaves out
+    what earlier launches recorded after it, and its train record also what they measured at `step` itself."""
+    for of_kind in records.values():
+        for stale in [s for s in of_kind if s > step or s == step and kind == "train"]:
+            del of_kind[stale]
 
 
 def parse_metrics_run(path: Path, skipped: list[tuple[str, str]]) -> Run:
@@ -656,7 +683,7 @@ def parse_metrics_run(path: Path, skipped: list[tuple[str, str]]) -> Run:
     return Run(name=path.name.removesuffix(METRICS_SUFFIX), paths=[str(path)], folder=_display_dir(path),
                fmt="metrics", final_val_loss=last["val_loss"], steps=last["step"], tokens=last["tokens"],
                train_time_ms=last["train_time_ms"], finished=False,
-               val_curve=[(r["step"], r["val_loss"], r["train_time_ms"]) for r in val if r["val_loss"] is not None],
+               val_curve=val_curve(val),
                val_tokens=val_tokens(metrics))
 
 
@@ -672,14 +699,33 @@ def val_tokens(metrics: Metrics) -> dict[int, int]:
     return {step: r["tokens"] for step, r in metrics.records["val"].items() if r["tokens"] is not None}
 
 
-def metrics_val_tokens(path: Path, skipped: list[tuple[str, str]]) -> dict[int, int]:
-    """The training tokens at each validation step of a finished run's metrics file; what could not be read is
-    said once."""
+def from_metrics(run: Run, path: Path, skipped: list[tuple[str, str]]) -> None:
+    """A finished run's validations as its metrics file holds them, every launch's with the run's training time and
+    tokens: its curve, and where it first reached its target (a summary or log of one launch may hold less). Kept
+    as read when the file does not end at the run's last step (another run's, or cut short); what could not be
+    read is said once."""
     try:
-        return val_tokens(read_metrics_noting(path, skipped))
+        metrics = read_metrics_noting(path, skipped)
     except UsageError as exc:
         skipped.append((str(path), str(exc)))
-        return {}
+        return
+    run.val_tokens = val_tokens(metrics)
+    val = [metrics.records["val"][step] for step in sorted(metrics.records["val"]) if step <= (run.steps or 0)]
+    curve = val_curve(val)
+    if not curve or curve[-1][0] != run.steps:
+        return
+    run.val_curve = curve
+    if run.target_loss is not None:
+        reached = next((r for r in val if r["val_loss"] is not None and r["val_loss"] <= run.target_loss), None)
+        run.target_step, run.target_train_time_ms, run.target_tokens, run.target_energy_j = (
+            (reached["step"], reached["train_time_ms"], reached["tokens"], reached["energy_j"]) if reached else
+            (None, None, None, None))
+
+
+def val_curve(val: list[dict]) -> list[tuple[int, float, float]]:
+    """The curve of val records in step order: (step, loss, run's training time, NaN where not recorded)."""
+    return [(r["step"], r["val_loss"], math.nan if r["train_time_ms"] is None else r["train_time_ms"]) for r in val
+            if r["val_loss"] is not None]
 
 
 def group_label(run: Run, key: str | None) -> str:
