@@ -432,8 +432,10 @@ def peak_tflops(device: str) -> float | None:
 
 # The metrics file, <run_id>.metrics.jsonl: one JSON object per line, "kind" "train" (after each training step),
 # "val" (each validation) or "target" (the validation that first reached --target_val_loss), with
-# these keys, each a number or null; records/read_records.py's read_metrics is its one reader. A resumed run
-# appends to it; a later record of the same kind and step replaces an earlier one.
+# these keys, each a number or null; records/read_records.py's read_metrics is its one reader (recorded, below, the
+# trainer's reading of its own). It is the run's one record of its curve: a resumed launch appends to it (after
+# ending a line a crash tore), and its train and val records replace what earlier launches recorded of the steps
+# it redoes.
 METRIC_KEYS = {
     "train": ("step", "tokens", "train_loss", "lr_mult", "step_ms", "train_time_ms", "tokens_per_s", "tflops",
               "mfu", "peak_memory_mib", "energy_j"),
