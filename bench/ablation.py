@@ -69,7 +69,7 @@ REFERENCE_NOTE = ("baseline = plain GPT-2-style AdamW: no Muon (AdamW at matrix_
                  "rms_norm, the x0 mix, attention scale 0.12, and also QK-norm and the recipe's Adam lrs for "
                  "embeddings/head/scalars.")
 
-# Recipe v2's optimizer, data and schedule half (issue 13), each technique removed in turn. Every variant
+# Recipe v2's optimizer, data and schedule half, each technique removed in turn. Every variant
 # trains the same token budget (num_iterations x batch_tokens): the batch schedule's smaller early steps
 # buy it more steps (run_specs). The reference row is the reference suite's "full" recipe.
 # Every variant below is derived from train_gpt.TECHNIQUES: "without X" sets X's flags back to the reference's
@@ -84,7 +84,7 @@ def put_back(name: str) -> list[str]:
     return T.as_flags(next(t for t in T.TECHNIQUES if t.name == name).v2["speedrun"])
 
 
-V2_MODEL_TECHNIQUES = [t.name for t in T.TECHNIQUES if t.part in ("model", "loss")]  # part 2 of v2 (issue 14)
+V2_MODEL_TECHNIQUES = [t.name for t in T.TECHNIQUES if t.part in ("model", "loss")]  # part 2 of v2
 V2_PART1 = "v2_part1"
 # --recipe=v2 now also has the model half; the shape is the cpu v2's when this suite ran (1024-token sequences,
 # 2048 -> 3072 -> 4096 tokens), so that its committed results stay reproducible
@@ -131,8 +131,9 @@ V2_NOTE = ("v2 = --recipe=v2 on the cpu preset: part 1 (the v2_part1 suite: Pola
            "tokens (windows up to 512 tokens), and part 2, the model: a signed bigram hash embedding, smear, "
            "sparse attention gates, value-embedding and skip gates, backout, partial key offset on the long-window "
            "layers, paired heads on short-window layers 1 and 3. It leaves out the logit rescale and multi-token "
-           "prediction, which cost loss on the earlier cpu v2 (bench/results/v2_before_issue29, where each technique "
-           "was removed in turn); v2_with_X puts X back on today's. Validation is always plain next-token loss.")
+           "prediction, which cost loss on the earlier cpu v2 (bench/results/v2_seq1024_rescale_mtp, where each "
+           "technique was removed in turn); v2_with_X puts X back on today's. Validation is always plain next-token "
+           "loss.")
 
 
 @dataclass(frozen=True)
@@ -463,7 +464,7 @@ def parse_cli(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--val_tokens", type=integer(1), default=DEFAULT_VAL_TOKENS,
                    help=f"held-out validation tokens, a multiple of {VAL_SEQ_LEN} ({DEFAULT_VAL_TOKENS})")
     p.add_argument("--suite", default="reference", choices=list(SUITES),
-                   help="reference: the 2025-01-26 techniques; v2_part1: recipe v2's optimizer half (issue 13)")
+                   help="reference: the 2025-01-26 techniques; v2_part1: recipe v2's optimizer half")
     p.add_argument("--variants", default=None, help="comma-separated subset of the suite's variants (all)")
     p.add_argument("--jobs", type=integer(1), default=2, help="parallel runs; each gets OMP_NUM_THREADS = cores // jobs")
     p.add_argument("--out", type=Path, default=None, help="folder for logs, table, plot (the suite's folder)")

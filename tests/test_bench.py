@@ -247,7 +247,7 @@ def test_gpu_check_without_a_gpu_reports_skips_and_exits_0(tmp_path):
 @pytest.mark.torch_range
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU machine gpu_check.py runs the real checks")
 def test_gpu_check_in_which_nothing_ran_keeps_an_earlier_result_and_writes_beside_it(tmp_path):
-    """--quick without a GPU replaced a real H100 result with a table of skips (issue 36): a run in which nothing
+    """--quick without a GPU replaced a real H100 result with a table of skips: a run in which nothing
     ran writes beside a file that holds a result and says where, in one line; one in which a check ran replaces it."""
     out = tmp_path / "gpu_check.json"
     real = json.dumps({"table": [{"check": G.SPEEDRUN_ROW, "result": "ok", "time": "201s of 260s",
@@ -489,7 +489,7 @@ def test_memory_estimate_refuses_a_device_size_that_is_not_positive_and_finite(s
     ("gpu_check", "--warmup=-1"), ("loader_throughput", "--accum=0"), ("step_cost", "--threads=0"),
     ("memory_estimate", "--device_gib=-1")])
 def test_every_bench_programs_numbers_are_range_checked_where_parsed(program, bad, capsys):
-    """Each bench program's number arguments (issue 36: every CLI number): a value out of its range is the one
+    """Each bench program's number arguments (every CLI number is checked): a value out of its range is the one
     'error: argument ...' line naming the valid range, exit 2, before anything runs (each main() as its
     `if __name__ == "__main__"` runs it)."""
     import importlib

@@ -116,7 +116,7 @@ def graph_recorder(graphs: dict, kind: str):
 
 @pytest.mark.skipif(lifecycle.torch_release(torch.__version__) < (2, 11), reason="torch 2.10's AOTAutograd refuses fake inputs "
                     "from a FakeTensorMode other than dynamo's (2.11 made dynamo's authoritative); these graphs trace "
-                    "under 2.10 from real tensors (README, \"Supported torch\")")
+                    "under 2.10 from real tensors (docs/supported-torch.md)")
 @pytest.mark.parametrize("recipe", [pytest.param("reference", marks=pytest.mark.torch_range), "v2"])
 def test_speedrun_forward_backward_and_validation_graphs_have_no_host_sync(monkeypatch, recipe):
     """What AOTAutograd hands the compiler for the full-depth speedrun model: the training forward and

@@ -1,4 +1,4 @@
-"""How train_gpt.py reads (README, "What is inside"): a file of at most 3,000 lines in which the speedrun's math
+"""How train_gpt.py reads (docs/layout.md): a file of at most 3,000 lines in which the speedrun's math
 is most of the code (bench/code_share.py counts it), siblings of at most ~700 lines, the loop and its step on one
 screen, and no module-level object that a run reassigns or changes (choices travel through Runtime instead)."""
 import ast

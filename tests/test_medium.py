@@ -112,7 +112,7 @@ def test_a_world_size_that_cannot_split_the_medium_batch_is_refused_in_one_line(
 
 
 @pytest.mark.skipif(lifecycle.torch_release(torch.__version__) < (2, 11), reason="torch 2.10's AOTAutograd refuses fake "
-                    "inputs from a FakeTensorMode other than dynamo's (README, \"Supported torch\")")
+                    "inputs from a FakeTensorMode other than dynamo's (docs/supported-torch.md)")
 def test_the_medium_model_traces_forward_backward_and_validation_at_its_real_shape(monkeypatch):
     """The 16 x 1024 model with every medium technique, compiled whole as on a GPU (FlexAttention, the bf16
     head: the record has no FP8 head), traced on fake tensors (no kernel runs): one forward, one backward and one
@@ -204,11 +204,11 @@ def test_a_device_too_small_for_the_micro_batch_is_one_line_saying_what_to_pass(
 
 def test_the_medium_memory_estimate_runs_on_fake_tensors(capsys):
     """bench/memory_estimate.py --preset=medium from the trainer's own model: its validation on one GPU (the
-    README's table has every phase on 1 and 8 GPUs; this test keeps the suite short)."""
+    table in docs/presets.md has every phase on 1 and 8 GPUs; this test keeps the suite short)."""
     sys.path.insert(0, str(REPO / "bench"))
     import memory_estimate as M
     assert M.main(["--preset=medium", "--recipes=reference", "--gpus=1", "--phases=validation"]) == 0
     done = capsys.readouterr()
     assert "train_gpt.py --preset=medium" in done.out and "561.6M parameters" in done.out
     (row,) = [line for line in done.out.splitlines() if line.startswith("| reference | validation | 1 |")]
-    assert 5 < float(row.split("|")[5]) < 79.6  # the README's table: 11.4 GiB
+    assert 5 < float(row.split("|")[5]) < 79.6  # docs/presets.md: 11.4 GiB

@@ -1,5 +1,5 @@
 """How the trainer is packaged and launched: run.sh's launch decisions, the Dockerfile, the pinned requirements, CI
-running the README's test command, the programs that run without torch, tools/cli.py's exit statuses (the
+running docs/testing.md's test command, the programs that run without torch, tools/cli.py's exit statuses (the
 trainer's), and the import graph (no cycles; train_gpt.py imports only its siblings, which never import it back).
 The "Supported torch releases" checks are test_torch_support.py's."""
 import json
@@ -165,9 +165,9 @@ def test_the_docker_image_installs_the_pinned_requirements_and_starts_run_sh():
 
 
 def test_ci_runs_the_readme_test_command():
-    readme = (REPO / "README.md").read_text()
+    readme = (REPO / "docs" / "testing.md").read_text()
     command = re.search(r"^python -m pytest tests\S*.*$", readme, re.M)
-    assert command, "README names no test command"
+    assert command, "docs/testing.md names no test command"
     ci = (REPO / ".ci" / "run").read_text()
     assert "python3 -m pytest tests" in ci and "-r requirements.txt" in ci and '"$status" -eq 5' in ci
 
@@ -230,7 +230,7 @@ def module_name(path):
     return ".".join(relative.parts[:-1] if relative.name == "__init__" else relative.parts)
 
 
-SIBLINGS = ("flags", "runlog", "checkpoints", "evaluation", "lifecycle")  # the trainer's modules beside it (README, Layout)
+SIBLINGS = ("flags", "runlog", "checkpoints", "evaluation", "lifecycle")  # the trainer's modules beside it (docs/layout.md)
 
 
 def test_no_module_imports_itself_back_and_the_trainer_imports_only_its_siblings():

@@ -1,5 +1,5 @@
 """Recipe v2: train_gpt.py's "Recipe v2" section and the math of its techniques. The TECHNIQUES declarations held
-to the README's Recipes table and bench/v2_fidelity.md, each flag owned by one technique and every preset decided,
+to docs/techniques.md's table and docs/v2-fidelity.md, each flag owned by one technique and every preset decided,
 --recipe=v2 switching exactly its techniques on (and Technique.off each one off), the cpu v2's line on what it
 leaves out, the gates' lrs and the techniques' refusals; each model and loss technique against a written-out
 reference (key offset, paired heads, bigram hash embedding and its signs, smear, gates, backout, the rescaled
@@ -24,9 +24,9 @@ BLOCK = T.BLOCK_SIZE
 # ----------------------------------------------------------------------------- the declarations
 
 def test_the_v2_fidelity_table_states_the_recipes_values():
-    """bench/v2_fidelity.md compares each v2 constant with its record's code; its `flag` column must be what
+    """docs/v2-fidelity.md compares each v2 constant with its record's code; its `flag` column must be what
     --recipe=v2 --preset=speedrun resolves to, and every row names a record and says same / differs."""
-    table = [line.split("|")[1:-1] for line in (REPO / "bench" / "v2_fidelity.md").read_text().splitlines()
+    table = [line.split("|")[1:-1] for line in (REPO / "docs" / "v2-fidelity.md").read_text().splitlines()
              if line.startswith("| ") and line.count("|") == 8]
     header, rows = [c.strip() for c in table[0]], table[1:]
     assert header == ["technique", "constant", "record", "record's code", "ours", "flag", "note"]
@@ -44,15 +44,15 @@ def test_the_v2_fidelity_table_states_the_recipes_values():
 
 
 def readme_recipes_rows():
-    """(flags, record folders) of each row of the README's Recipes table."""
-    text = (REPO / "README.md").read_text()
+    """(flags, record folders) of each row of the techniques table (docs/techniques.md)."""
+    text = (REPO / "docs" / "techniques.md").read_text()
     table = text[text.index("| technique | flags (v2 value) | record folder"):].split("\n\n")[0].splitlines()[2:]
     rows = [line.split(" | ") for line in table]
     return [(set(re.findall(r"`(\w+)`", row[1])), set(re.findall(r"\d{4}-\d\d-\d\d_\w+", row[2]))) for row in rows]
 
 
 def test_the_readme_recipes_table_lists_every_technique_with_its_flags_and_records():
-    """Each README row belongs to exactly one declared technique: the one whose records hold the row's record
+    """Each row of the table belongs to exactly one declared technique: the one whose records hold its record
     folders and whose flags the row names (one record folder may hold several techniques); each technique's records
     and flags all appear in its rows."""
     seen = {t.name: (set(), set()) for t in T.TECHNIQUES}

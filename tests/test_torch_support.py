@@ -1,4 +1,4 @@
-"""lifecycle.py's "Supported torch releases" section (README, "Supported torch"): the range that the README's table,
+"""lifecycle.py's "Supported torch releases" section (docs/supported-torch.md): the range that the docs' table,
 the requirements' pin and CI's second torch agree on, every difference between releases handled in that one place,
 and start-up under a torch it cannot use or does not know: one line for a torch older than the range (or a GPU node
 whose torch cannot use its GPUs), one warning for a newer one, one note for a GPU without FP8; and the torch_range
@@ -20,11 +20,11 @@ def supported_minors():
 
 
 def test_the_readme_requirements_and_ci_agree_on_the_supported_torch():
-    """The README's table has a row for every release of the trainer's range, the pin is the trainer's, and CI runs
-    the torch_range subset (registered in pytest.ini) under a second release of the range."""
+    """docs/supported-torch.md's table has a row for every release of the trainer's range, the pin is the
+    trainer's, and CI runs the torch_range subset (registered in pytest.ini) under a second release of the range."""
     import train_gpt as T
     assert f"torch=={lifecycle.PINNED_TORCH}" in (REPO / "requirements.txt").read_text().splitlines()
-    section = (REPO / "README.md").read_text().split("\n## Supported torch\n")[1].split("\n## ")[0]
+    section = (REPO / "docs" / "supported-torch.md").read_text()
     rows = {m[1]: m[0] for m in re.finditer(r"^\| *(\d+\.\d+)[^|]*\|.*$", section, re.M)}
     assert sorted(rows) == supported_minors() and lifecycle.PINNED_TORCH in rows[lifecycle.PINNED_TORCH.rsplit(".", 1)[0]], rows
     ci = (REPO / ".ci" / "run").read_text()
