@@ -251,3 +251,69 @@ def test_v2_checkpoint_samples_through_decode_s_history_path(v2_checkpoint):
                               "--temperature", 0, env=TOKENIZER_ENV)
     assert sampled.returncode == 0, sampled.stderr
     assert sampled.stdout.count("The President") == 1
+
+
+# ----------------------------------------------------------------------------- launch.py: the signals that stop it
+
+STOPPING_WORKER = """
+import os, signal, sys, time
+got = []
+def stop(signum, frame):  # as the trainer's StopSignal: the first stops at the next step, a second exits at once
+    if got:
+        os._exit(128 + signum)
+    got.append(signum)
+signal.signal(signal.SIGINT, stop)
+signal.signal(signal.SIGTERM, stop)
+print("ready", os.getpid(), flush=True)
+while not got:
+    time.sleep(0.05)
+time.sleep(float(sys.argv[1]))  # the step and the checkpoint
+print("stopped cleanly", flush=True)
+sys.exit(128 + got[0])
+"""
+
+
+def launch_and_signal(tmp_path, signals, stop_s):
+    """tools/launch.py with one worker that stops as the trainer does, sent these signals once it runs: the
+    launcher's exit status and stderr, the worker's stdout, and whether the worker outlived the launcher."""
+    import signal
+    import subprocess
+    import sys
+    import time
+    worker = tmp_path / "worker.py"
+    worker.write_text(STOPPING_WORKER)
+    out = tmp_path / "out.txt"
+    with open(out, "w") as stdout:
+        proc = subprocess.Popen([sys.executable, str(loading.REPO / "tools" / "launch.py"), "--standalone",
+                                 "--nproc_per_node=1", str(worker), str(stop_s)], cwd=tmp_path, stdout=stdout,
+                                stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        deadline = time.monotonic() + 120
+        while "ready" not in out.read_text() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        worker_pid = int(out.read_text().split()[1])
+        for sig in signals:
+            proc.send_signal(getattr(signal, sig))
+            time.sleep(0.5)
+        _, stderr = proc.communicate(timeout=60)
+    time.sleep(0.5)
+    alive = os.path.exists(f"/proc/{worker_pid}") and "zombie" not in open(f"/proc/{worker_pid}/status").read()
+    return proc.returncode, stderr, out.read_text(), alive
+
+
+@pytest.mark.parametrize("sig, status", [("SIGTERM", 143), ("SIGINT", 130)])
+def test_a_signal_stops_the_launcher_s_workers_then_it_in_one_line(tmp_path, sig, status):
+    """As the trainer: the worker gets the signal and stops cleanly, the launcher says so in one line and exits
+    128 + the signal (was torchrun's SignalException traceback and exit status 1)."""
+    rc, stderr, stdout, alive = launch_and_signal(tmp_path, [sig], stop_s=1)
+    assert rc == status and len(stderr.strip().splitlines()) == 1, stderr[-3000:]
+    assert stderr.startswith(f"error: stopped by signal {sig}: sent on to the workers, which stopped")
+    assert "stopped cleanly" in stdout and not alive
+
+
+def test_a_second_ctrl_c_ends_the_launcher_and_its_workers_at_once_in_one_line(tmp_path):
+    """The worker's graceful stop would take a minute; the second Ctrl-C ends it and the launcher at once (was two
+    chained tracebacks, and the worker left running)."""
+    rc, stderr, stdout, alive = launch_and_signal(tmp_path, ["SIGINT", "SIGINT"], stop_s=60)
+    assert rc == 130 and len(stderr.strip().splitlines()) == 1, stderr[-3000:]
+    assert stderr.startswith("error: stopped by a second signal (SIGINT): sent on to the workers, which exit at once")
+    assert "stopped cleanly" not in stdout and not alive
