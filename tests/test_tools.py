@@ -317,3 +317,55 @@ def test_a_second_ctrl_c_ends_the_launcher_and_its_workers_at_once_in_one_line(t
     assert rc == 130 and len(stderr.strip().splitlines()) == 1, stderr[-3000:]
     assert stderr.startswith("error: stopped by a second signal (SIGINT): sent on to the workers, which exit at once")
     assert "stopped cleanly" not in stdout and not alive
+
+
+# ----------------------------------------------------------------------------- cli.py: a user's paths and lists
+
+def test_a_users_path_to_read_is_one_line_for_each_way_it_cannot_be_read(tmp_path):
+    from tools.cli import UsageError, read_user_file
+    (tmp_path / "binary").write_bytes(b"ok\x00\xff")
+    (tmp_path / "file").write_text("text")
+    os.mkfifo(tmp_path / "fifo")
+    for path, said in [(tmp_path / "binary", "not a text file (byte 2 is not UTF-8 text)"),
+                       (tmp_path, "it is a folder, not a file"),
+                       (tmp_path / "fifo", "it is a FIFO (named pipe), not a file"),
+                       (tmp_path / "a" / "b", f"no such file (its folder {tmp_path / 'a'} does not exist either)"),
+                       (tmp_path / "file" / "b", f"{tmp_path / 'file'} is not a folder"),
+                       ("/proc/nope/x", "no such file (its folder /proc/nope does not exist either)")]:
+        with pytest.raises(UsageError) as e:
+            read_user_file(path, "the log", "pass a log")
+        assert str(e.value) == f"cannot read the log {path}: {said}; pass a log"
+    assert read_user_file(tmp_path / "binary", "the log", "", binary=True) == b"ok\x00\xff"
+    assert read_user_file(tmp_path / "file", "the log", "") == "text"
+
+
+def test_a_users_path_to_write_is_checked_then_written_whole(tmp_path):
+    from tools.cli import UsageError, write_user_file
+    os.mkfifo(tmp_path / "fifo")
+    (tmp_path / "file").write_text("kept")
+    for path, said in [(tmp_path, "it is a folder"), (tmp_path / "fifo", "it is a FIFO (named pipe)"),
+                       (tmp_path / "file" / "x", f"cannot make its folder {tmp_path / 'file'} (a file on the way"),
+                       ("/proc/nope/x.json", "cannot make its folder /proc/nope (No such file or directory)")]:
+        with pytest.raises(UsageError, match=f"^cannot write --out {path}: " + re_escape(said)):
+            write_user_file(path, "data", "--out", "pass another")
+    write_user_file(tmp_path / "new" / "x.json", "data", "--out", "")
+    write_user_file(tmp_path / "file", "replaced", "--out", "")
+    assert (tmp_path / "new" / "x.json").read_text() == "data" and (tmp_path / "file").read_text() == "replaced"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["fifo", "file", "new"]  # no temporary file left
+
+
+def re_escape(text):
+    import re
+    return re.escape(text)
+
+
+def test_a_list_argument_is_never_empty():
+    from tools.cli import comma_list, integer
+    sizes = comma_list(integer(1), items="world sizes")
+    assert sizes("1, 8,") == [1, 8]
+    for text, said in [("", "empty list ''; pass one or more world sizes"), (",", "empty list ','"),
+                       ("1,0", "bad value '0'; valid: an integer at least 1")]:
+        with pytest.raises(argparse.ArgumentTypeError, match=re_escape(said)):
+            sizes(text)
+    with pytest.raises(argparse.ArgumentTypeError, match="unknown 'x'; valid: a, b"):
+        comma_list(choices=("a", "b"))("a,x")
