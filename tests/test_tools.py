@@ -369,3 +369,29 @@ def test_a_list_argument_is_never_empty():
             sizes(text)
     with pytest.raises(argparse.ArgumentTypeError, match="unknown 'x'; valid: a, b"):
         comma_list(choices=("a", "b"))("a,x")
+
+
+def test_a_checkpoint_path_that_is_not_a_folder_says_what_it_is(tmp_path):
+    """A FIFO or a file was 'has no checkpoint.json'; a missing one names its missing folder."""
+    os.mkfifo(tmp_path / "pipe")
+    (tmp_path / "file").write_text("")
+    for path, said in [(tmp_path / "pipe", "is a FIFO (named pipe), not a folder"),
+                       (tmp_path / "file", "is a file, not a folder"),
+                       (tmp_path / "a" / "b", f"does not exist (its folder {tmp_path / 'a'} does not exist either)")]:
+        with pytest.raises(T.UsageError, match="^" + re_escape(f"{path} {said}; pass a step_N folder")):
+            loading.load_model(path, "cpu")
+
+
+def test_hellaswag_data_that_is_not_a_file_is_refused_before_the_model_loads(tmp_path):
+    os.mkfifo(tmp_path / "pipe.jsonl")
+    result = tool_in_process("hellaswag", tmp_path / "no_checkpoint", "--data", tmp_path / "pipe.jsonl")
+    assert one_error_line(result) == (f"error: cannot read --data {tmp_path / 'pipe.jsonl'}: it is a FIFO (named "
+                                      f"pipe), not a file; {evaluation.HELLASWAG_FETCH_HINT}")
+
+
+def test_export_into_a_file_is_refused_before_the_model_loads(tmp_path):
+    (tmp_path / "file").write_text("mine")
+    result = tool_in_process("export", tmp_path / "no_checkpoint", tmp_path / "file")
+    assert one_error_line(result) == f"error: OUT_DIR {tmp_path / 'file'} is not a folder; pick a folder (made if " \
+                                     "missing)"
+    assert (tmp_path / "file").read_text() == "mine"
