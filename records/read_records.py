@@ -920,7 +920,9 @@ def prepare_plot_folder(outdir: str) -> None:
     write (a user's file is never replaced)."""
     folder = Path(outdir)
     if folder.exists() and not folder.is_dir():
-        raise UsageError(f"--plot {outdir} is a file, not a folder; pass a folder (it is made if missing)")
+        from tools.cli import what_is_there
+        raise UsageError(f"--plot {outdir} is {what_is_there(folder) or 'a file'}, not a folder; pass a folder (it is "
+                         "made if missing)")
     try:
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as exc:

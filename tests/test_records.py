@@ -614,3 +614,12 @@ def test_the_reader_names_a_fifo_or_a_device_for_what_it_is_and_never_blocks_on_
     assert (f"skipped {tmp_path / 'nope' / 'x.txt'}: no such file or folder (its folder {tmp_path / 'nope'} does "
             "not exist either)") in lines
     assert lines[-1].startswith("error: no run could be read")
+
+
+@needs_matplotlib
+def test_a_plot_folder_that_is_a_fifo_says_so(tmp_path):
+    """It was called 'a file'."""
+    os.mkfifo(tmp_path / "pipe")
+    proc = run_cli(FIX / "ours", "--plot", tmp_path / "pipe")
+    assert proc.returncode == 2 and proc.stderr == (f"error: --plot {tmp_path / 'pipe'} is a FIFO (named pipe), not a "
+                                                    "folder; pass a folder (it is made if missing)\n"), proc.stderr
