@@ -395,3 +395,18 @@ def test_export_into_a_file_is_refused_before_the_model_loads(tmp_path):
     assert one_error_line(result) == f"error: OUT_DIR {tmp_path / 'file'} is not a folder; pick a folder (made if " \
                                      "missing)"
     assert (tmp_path / "file").read_text() == "mine"
+
+
+@pytest.mark.parametrize("args, said", [
+    (["--nproc_per_node=0", "w.py"], "--nproc_per_node of at least 1"),
+    (["--nnodes=0", "w.py"], "with 1 <= MIN <= MAX"),
+    (["--bogus", "w.py"], "unrecognized arguments: --bogus (see tools/launch.py --help"),
+    (["--standalone", "--nproc_per_node=1", "nope.py"], "cannot read the training script nope.py: no such file")])
+def test_a_bad_launcher_argument_is_one_line_before_anything_starts(tmp_path, args, said):
+    """torchrun printed its usage block, or an AssertionError traceback from its agent (--nproc_per_node=0)."""
+    import subprocess
+    import sys
+    (tmp_path / "w.py").write_text("")
+    done = subprocess.run([sys.executable, str(loading.REPO / "tools" / "launch.py"), *args], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert said in one_error_line(done)

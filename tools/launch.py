@@ -36,11 +36,40 @@ def rdzv_conf(args) -> dict[str, str]:
     return dict(kv.split("=", 1) for kv in args.rdzv_conf.split(",") if "=" in kv)
 
 
+def torchrun_args(argv: list[str]):
+    """torchrun's parse of argv, checked as far as it can be before anything starts: a bad argument, node or
+    process count, or a training script that is not a readable file is one UsageError (torchrun printed
+    argparse's usage block, or a traceback of its agent's assertions)."""
+    import io
+    from torch.distributed.run import determine_local_world_size, parse_args, parse_min_max_nnodes
+    from tools.cli import UsageError, user_file
+    said = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(said):
+            args = parse_args(argv)
+    except SystemExit as e:
+        if not e.code:  # --help
+            raise
+        raise UsageError(said.getvalue().strip().splitlines()[-1].split(": error: ", 1)[-1]
+                         + " (see tools/launch.py --help: torchrun's arguments)") from None
+    try:
+        lo, hi = parse_min_max_nnodes(args.nnodes)
+        procs = determine_local_world_size(args.nproc_per_node)
+    except (ValueError, RuntimeError) as e:
+        raise UsageError(f"{one_line(e)}: pass --nnodes=N or MIN:MAX and --nproc_per_node=N, gpu, cpu or "
+                         "auto") from None
+    if not 1 <= lo <= hi or procs < 1:
+        raise UsageError(f"--nnodes={args.nnodes} --nproc_per_node={args.nproc_per_node}: pass --nnodes=N or MIN:MAX "
+                         "with 1 <= MIN <= MAX, and --nproc_per_node of at least 1")
+    if not args.module and not args.no_python:
+        user_file(args.training_script, "the training script", "pass the path of train_gpt.py")
+    return args
+
+
 def with_store_timeout(argv: list[str]) -> list[str]:
     """argv with the rendezvous store's read_timeout at most join_timeout (unless the user set it), so that an
     endpoint that never answers is given up on after about join_timeout, not after minutes of retries."""
-    from torch.distributed.run import parse_args
-    args = parse_args(argv)
+    args = torchrun_args(argv)
     conf = rdzv_conf(args)
     if args.standalone or args.rdzv_backend != "c10d" or "read_timeout" in conf:
         return argv
