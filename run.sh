@@ -10,12 +10,6 @@ if command -v nvidia-smi >/dev/null 2>&1; then
     gpus=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | wc -l || echo 0)
 fi
 
-if command -v torchrun >/dev/null 2>&1; then
-    launcher=(torchrun)
-else
-    launcher=("$PYTHON" -m torch.distributed.run)
-fi
-
 if [ "$gpus" -gt 0 ]; then
     # A torch wheel that cannot use this driver would otherwise train the cpu preset on one gloo rank per GPU.
     if ! "$PYTHON" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' >/dev/null 2>&1; then
@@ -28,8 +22,9 @@ if [ "$gpus" -gt 0 ]; then
         case "$arg" in --preset=*) preset=() ;; esac
     done
     set -- ${preset[@]+"${preset[@]}"} "$@"
-    echo "run.sh: ${gpus} GPU(s) found: torchrun --standalone --nproc_per_node=${gpus} train_gpt.py $*"
-    exec "${launcher[@]}" --standalone --nproc_per_node="$gpus" train_gpt.py "$@"
+    # tools/launch.py is torchrun whose Ctrl-C and SIGTERM end in one line and 128 + N, as the trainer's do
+    echo "run.sh: ${gpus} GPU(s) found: tools/launch.py --standalone --nproc_per_node=${gpus} train_gpt.py $*"
+    exec "$PYTHON" tools/launch.py --standalone --nproc_per_node="$gpus" train_gpt.py "$@"
 fi
 echo "run.sh: no GPU found: running the cpu preset in one process"
 exec "$PYTHON" train_gpt.py "$@"

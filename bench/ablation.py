@@ -465,7 +465,9 @@ def parse_cli(argv: list[str]) -> argparse.Namespace:
                    help=f"held-out validation tokens, a multiple of {VAL_SEQ_LEN} ({DEFAULT_VAL_TOKENS})")
     p.add_argument("--suite", default="reference", choices=list(SUITES),
                    help="reference: the 2025-01-26 techniques; v2_part1: recipe v2's optimizer half")
-    p.add_argument("--variants", default=None, help="comma-separated subset of the suite's variants (all)")
+    from tools.cli import comma_list, output_folder
+    p.add_argument("--variants", type=comma_list(items="variant names"), default=None,
+                   help="comma-separated subset of the suite's variants (all)")
     p.add_argument("--jobs", type=integer(1), default=2, help="parallel runs; each gets OMP_NUM_THREADS = cores // jobs")
     p.add_argument("--out", type=Path, default=None, help="folder for logs, table, plot (the suite's folder)")
     p.add_argument("--baseline-matrix-adam-lr", dest="baseline_lr", type=number(0, lo_open=True), default=None,
@@ -477,7 +479,7 @@ def parse_cli(argv: list[str]) -> argparse.Namespace:
     a = p.parse_args(argv)
     suite = SUITES[a.suite]
     a.out = a.out or REPO / suite.out
-    a.variants = [v.strip() for v in a.variants.split(",") if v.strip()] if a.variants else list(suite.variants)
+    a.variants = a.variants or list(suite.variants)
     unknown = [v for v in a.variants if v not in suite.variants]
     if unknown:
         p.error(f"unknown variant(s) {', '.join(unknown)} in suite {a.suite}; valid: {', '.join(suite.variants)}")
@@ -486,6 +488,7 @@ def parse_cli(argv: list[str]) -> argparse.Namespace:
                 f"{VAL_SEQ_LEN}, at most the {SAMPLE_VAL_TOKENS:,} tokens of the held-out shard")
     if a.batch_tokens <= 0 or a.batch_tokens % 1024:
         p.error(f"--batch_tokens={a.batch_tokens} must be a positive multiple of the cpu preset's seq_len 1024")
+    output_folder(a.out, "--out", "pass --out=FOLDER where a folder can be made and written")  # before any run
     return a
 
 

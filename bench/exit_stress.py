@@ -56,12 +56,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = OneLineArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", type=integer(1), default=200, help="tiny 2-rank runs in all (default 200)")
     parser.add_argument("--jobs", type=integer(1), default=2, help="runs at a time, each pinned to its own core (default 2)")
-    parser.add_argument("--cores", default="0,1", help="the cores to pin runs to, comma-separated (default 0,1)")
+    from tools.cli import comma_list
+    parser.add_argument("--cores", type=comma_list(integer(0), items="core numbers"), default="0,1",
+                        help="the cores to pin runs to, comma-separated (default 0,1)")
     parser.add_argument("--timeout", type=integer(1), default=300, help="seconds before a run counts as failed")
     args = parser.parse_args(argv)
     if shutil.which("taskset") is None:
         parser.error("taskset (util-linux) is needed to pin the runs to one core")
-    cores = [int(c) for c in args.cores.split(",")]
+    cores = args.cores
     counts = {"ok": 0, "abort": 0, "failed": 0}
     started = time.time()
     with tempfile.TemporaryDirectory(prefix="exit_stress_") as scratch, \

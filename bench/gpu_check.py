@@ -583,11 +583,14 @@ def results_path(out: Path, rows: list) -> Path:
     return out.with_name(out.stem + ".nothing_ran" + out.suffix)
 
 
+OUT_FIX = "pass --out=FILE.json in a folder you can write"
+
+
 def write_json(out: Path, rows: list, details: dict) -> None:
+    from tools.cli import write_user_file
     path = results_path(out, rows)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"table": [dict(check=c, result=r, time=t, numbers=n) for c, r, t, n in rows],
-                                **details}, indent=1))
+    write_user_file(path, json.dumps({"table": [dict(check=c, result=r, time=t, numbers=n) for c, r, t, n in rows],
+                                      **details}, indent=1), "--out", OUT_FIX + " (the table is above)")
     say(f"wrote {path}" if path == out else f"nothing ran: kept {out} (an earlier run's result); wrote this run's "
         f"table to {path}")
 
@@ -692,6 +695,8 @@ def main(argv: list[str] | None = None) -> int:
     started = time.time()
     a.budget_s = default_budget(a.only) if a.budget_s is None else a.budget_s
     a.out = default_out(a.only, a.resume_drill_on_cpu) if a.out is None else a.out
+    from tools.cli import output_file
+    output_file(a.out, "--out", OUT_FIX)  # now, not after the checks' minutes of GPU time
     scale = min(1.0, a.budget_s / sum(BUDGET_S[p] for p in a.only or BUDGET_S))
     shares = {part: s * scale for part, s in BUDGET_S.items()}
 

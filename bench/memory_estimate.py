@@ -457,10 +457,13 @@ def main(argv: list[str] | None = None) -> int:
                               formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="speedrun", choices=["speedrun", "medium"],
                    help="train_gpt.py's preset whose shapes are measured (default speedrun)")
-    p.add_argument("--recipes", default="reference,v2", help="comma-separated train_gpt.py recipes (reference,v2)")
-    p.add_argument("--gpus", default="1,8", help="comma-separated world sizes; the peak of rank 0 is reported "
-                   "(rank 0 owns the most Muon matrices)")
-    p.add_argument("--phases", default="train,warm-up,validation",
+    from tools.cli import comma_list, integer
+    p.add_argument("--recipes", type=comma_list(choices=tuple(T.RECIPES)), default="reference,v2",
+                   help="comma-separated train_gpt.py recipes (reference,v2)")
+    p.add_argument("--gpus", type=comma_list(integer(1), items="world sizes"), default="1,8",
+                   help="comma-separated world sizes; the peak of rank 0 is reported (rank 0 owns the most Muon "
+                   "matrices)")
+    p.add_argument("--phases", type=comma_list(choices=tuple(PHASES)), default="train,warm-up,validation",
                    help="train (train_step at the largest stage), warm-up (warm_up's steps and validation, with "
                    "its copy of the training state), validation (evaluate on one sequence)")
     p.add_argument("--device_gib", type=number(0, lo_open=True), default=H100_GIB,
@@ -468,15 +471,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--breakdown", action="store_true", help="also print what is alive at each peak, by kind, "
                    "and the largest storages")
     a = p.parse_args(own)
-    recipes = [r for r in a.recipes.split(",") if r]
-    phases = [ph for ph in a.phases.split(",") if ph]
-    if bad := [ph for ph in phases if ph not in PHASES]:
-        p.error(f"unknown phase {bad[0]!r}; valid: {', '.join(PHASES)}")
-    try:
-        gpus = [int(g) for g in a.gpus.split(",") if g]
-        assert gpus and min(gpus) >= 1
-    except (ValueError, AssertionError):
-        p.error(f"--gpus={a.gpus}: comma-separated world sizes of 1 or more")
+    recipes, phases, gpus = a.recipes, a.phases, a.gpus
     try:  # the trainer's own refusals (a bad flag after --, a world size that cannot split the batch)
         for recipe in recipes:
             args = T.parse_args([f"--preset={a.preset}", f"--recipe={recipe}", *extra], cuda_available=True)

@@ -61,13 +61,15 @@ def time_variant(overrides: list[str], steps: int) -> tuple[float, float]:
 def main(argv: list[str] | None = None) -> int:
     p = OneLineArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--suite", default="v2", choices=list(ablation.SUITES), help="whose variants to time (v2)")
-    p.add_argument("--variants", default=None, help="comma-separated subset (all of the suite's)")
+    from tools.cli import comma_list
+    p.add_argument("--variants", type=comma_list(items="variant names"), default=None,
+                   help="comma-separated subset (all of the suite's)")
     p.add_argument("--steps", type=integer(1), default=3, help="timed steps per variant, after one untimed (3)")
     p.add_argument("--threads", type=integer(1), default=1, help="torch threads (1, as each ablation run has)")
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
     variants = ablation.SUITES[a.suite].variants
-    names = [v.strip() for v in a.variants.split(",")] if a.variants else list(variants)
+    names = a.variants or list(variants)
     unknown = [n for n in names if n not in variants]
     if unknown:
         p.error(f"unknown variant(s) {', '.join(unknown)}; valid: {', '.join(variants)}")

@@ -360,9 +360,9 @@ def run(argv: list[str] | None = None) -> int:
         out_dir = args.output_dir or DATA_DIR / folder
         docs = docs_from_fineweb(args.version, args.streaming)
     else:
+        from tools.cli import user_file
         for path in args.input:
-            if not path.is_file():
-                raise UsageError(f"input {path} does not exist or is not a file")
+            user_file(path, "--input", "pass .txt, .jsonl or .parquet files")
             if input_format(path) == "parquet":
                 _pyarrow_parquet(path)  # say now, not after other inputs were tokenized
         name = args.name or re.sub(r"[^A-Za-z0-9.-]+", "-", args.input[0].stem).strip("-.") or "corpus"
@@ -373,10 +373,8 @@ def run(argv: list[str] | None = None) -> int:
     if old and not args.overwrite:
         raise UsageError(f"{out_dir} already holds {len(old)} shard(s) named {name}_*; pass --overwrite to replace them")
     created = [folder for folder in (out_dir, *out_dir.parents) if not folder.exists()]  # deepest first
-    try:
-        out_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise UsageError(f"cannot create {out_dir}: {e.strerror or e}") from e
+    from tools.cli import output_folder
+    output_folder(out_dir, "--output_dir", "pass a folder you can write (made if missing)")
 
     from tqdm import tqdm
 

@@ -251,10 +251,8 @@ def run(key: str, argv: list[str] | None = None) -> int:
     hub = _import_hub()
     from tqdm import tqdm
 
-    try:
-        local_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise UsageError(f"cannot create {local_dir}: {e.strerror or e}") from e
+    from tools.cli import output_folder
+    output_folder(local_dir, "--local_dir", "pass a folder you can write (made if missing)")
 
     names = shard_names(ds, args.num_train)
     todo = []

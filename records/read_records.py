@@ -544,6 +544,9 @@ def find_files(paths: list[str], skipped: list[tuple[str, str]]) -> list[Path]:
     seen: set[Path] = set()
     for arg in paths:
         p = Path(arg)
+        if p.is_dir() and not os.access(p, os.R_OK | os.X_OK):  # rglob would find nothing there, saying nothing
+            skipped.append((arg, "permission denied: a folder this user cannot list"))
+            continue
         if p.is_dir():
             candidates = sorted(  # a checkpoint's checkpoint.json (beside its DCP .metadata) is not a run
                 q for q in p.rglob("*") if q.is_file() and q.suffix.lower() in (".txt", ".json", ".jsonl")
@@ -552,7 +555,7 @@ def find_files(paths: list[str], skipped: list[tuple[str, str]]) -> list[Path]:
         elif p.is_file():
             candidates = [p]
         else:
-            skipped.append((arg, "no such file or folder"))
+            skipped.append((arg, not_a_log_path(p)))
             continue
         for q in candidates:
             key = q.resolve()
@@ -560,6 +563,17 @@ def find_files(paths: list[str], skipped: list[tuple[str, str]]) -> list[Path]:
                 seen.add(key)
                 found.append(q)
     return found
+
+
+def not_a_log_path(path: Path) -> str:
+    """Why a command-line path that is neither a file nor a folder is skipped (a FIFO would block the reader)."""
+    from tools.cli import missing, what_is_there
+    try:
+        return f"it is {what_is_there(path)}, not a log file or a folder of them"
+    except (FileNotFoundError, NotADirectoryError):
+        return missing(path).replace("no such file", "no such file or folder")
+    except OSError as e:
+        return e.strerror or str(e)
 
 
 def read_runs(paths: list[str]) -> tuple[list[Run], list[tuple[str, str]]]:
@@ -952,7 +966,9 @@ def prepare_plot_folder(outdir: str) -> None:
     write (a user's file is never replaced)."""
     folder = Path(outdir)
     if folder.exists() and not folder.is_dir():
-        raise UsageError(f"--plot {outdir} is a file, not a folder; pass a folder (it is made if missing)")
+        from tools.cli import what_is_there
+        raise UsageError(f"--plot {outdir} is {what_is_there(folder) or 'a file'}, not a folder; pass a folder (it is "
+                         "made if missing)")
     try:
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as exc:

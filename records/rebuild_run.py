@@ -14,6 +14,7 @@ data (relative shard globs are read from the working directory), with another --
 
 from __future__ import annotations
 
+import os
 import shlex
 import sys
 from pathlib import Path
@@ -40,23 +41,19 @@ def as_flag(name: str, text: str) -> str:
 
 def rebuild(log: Path, out_dir: Path) -> tuple[list[str], list[str]]:
     """Writes the log's sources into out_dir; returns the command that reruns the run and the files written."""
-    try:
-        text = log.read_text(encoding="utf-8")
-    except OSError as e:
-        raise UsageError(f"cannot read {log} ({e.strerror or e})") from None
+    from tools.cli import read_user_file, write_user_file
+    text = read_user_file(log, "the log", "pass a <run_id>.txt that train_gpt.py wrote")
     sources, rest = log_sources(text)
     if "train_gpt.py" not in sources:
         raise UsageError(f"{log} embeds no train_gpt.py source: not a run log of this project's trainer")
     values = logged_hyperparameters(rest)
-    taken = [name for name in sources if (out_dir / name).exists()]
+    from tools.cli import output_folder
+    output_folder(out_dir, "OUT_DIR", "pass an empty or new folder you can write")
+    taken = [name for name in sources if os.path.lexists(out_dir / name)]
     if taken:
         raise UsageError(f"{out_dir} already holds {taken[0]}; pass an empty or new folder")
-    try:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        for name, source in sources.items():
-            (out_dir / name).write_text(source, encoding="utf-8")
-    except OSError as e:
-        raise UsageError(f"cannot write into {out_dir} ({e.strerror or e}); pass a folder you can write") from None
+    for name, source in sources.items():
+        write_user_file(out_dir / name, source, "the source", "pass an empty or new folder you can write")
     return [sys.executable, str(out_dir / "train_gpt.py"), *(as_flag(n, v) for n, v in values.items())], sorted(sources)
 
 

@@ -499,3 +499,33 @@ def test_every_bench_programs_numbers_are_range_checked_where_parsed(program, ba
     out, err = capsys.readouterr()
     assert out == "" and re.fullmatch(rf"error: argument {flag}: bad value '{re.escape(value)}'; valid: .* "
                                       rf"\(see \S+ --help\)\n", err), err
+
+
+# ---------------------------------------------------------------- hostile paths and lists
+
+@pytest.mark.parametrize("out, said", [
+    ("/proc/nope/x.json", "cannot make its folder /proc/nope (No such file or directory)"),
+    ("{tmp}", "it is a folder"),
+    ("{tmp}/file/x.json", "cannot make its folder {tmp}/file (a file on the way is not a folder)")])
+def test_gpu_check_refuses_an_out_it_cannot_write_before_any_check(tmp_path, capsys, out, said):
+    """--out=/proc/nope/x.json was a FileNotFoundError traceback, after the checks had run."""
+    (tmp_path / "file").write_text("")
+    out, said = out.format(tmp=tmp_path), said.format(tmp=tmp_path)
+    assert cli.run_cli(lambda: G.main([f"--out={out}"])) == 2
+    stdout, err = capsys.readouterr()
+    assert stdout == "" and err == f"error: cannot write --out {out}: {said}; pass --out=FILE.json in a folder " \
+                                   "you can write\n"
+
+
+@pytest.mark.parametrize("program, bad", [
+    ("memory_estimate", "--recipes="), ("memory_estimate", "--recipes=,"), ("memory_estimate", "--gpus="),
+    ("memory_estimate", "--phases="), ("ablation", "--variants="), ("ablation", "--variants=,"),
+    ("step_cost", "--variants="), ("exit_stress", "--cores="), ("gpu_check", "--only=")])
+def test_every_bench_list_argument_refuses_an_empty_list(program, bad, capsys):
+    """--recipes= printed an empty table and exited 0 (--variants= ran every variant, --cores= was a traceback)."""
+    import importlib
+    module = importlib.import_module(program)
+    assert cli.run_cli(lambda: module.main([bad]), usage_errors=(T.UsageError,)) == 2
+    out, err = capsys.readouterr()
+    flag = bad.split("=")[0]
+    assert out == "" and len(err.splitlines()) == 1 and err.startswith(f"error: argument {flag}: "), err

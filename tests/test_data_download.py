@@ -329,3 +329,12 @@ def test_a_number_out_of_range_is_refused_in_one_line_before_any_request(hub, tm
     assert proc.returncode == 2
     assert_one_line_error(proc, refused + " (see cached_fineweb10B.py --help)")
     assert hub.requests == []
+
+
+def test_a_local_dir_that_cannot_be_a_folder_is_one_line(hub, tmp_path):
+    """A file where the shards' folder goes was 'cannot create ...: File exists', nothing said of what to pass."""
+    (tmp_path / "shards").write_text("mine")
+    proc = run_download(hub.url, tmp_path, "1")
+    assert_one_line_error(proc, f"cannot write into --local_dir {tmp_path / 'shards'}: it is not a folder",
+                          "pass a folder you can write")
+    assert (tmp_path / "shards").read_text() == "mine"

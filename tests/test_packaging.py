@@ -41,12 +41,12 @@ def run_sh(tmp_path, gpus, with_torchrun=True, args=("--seed=3",), env=None, sta
 
 def test_run_sh_uses_every_gpu_through_torchrun_with_the_speedrun_preset(tmp_path):
     assert run_sh(tmp_path, 4) == \
-        "LAUNCH torchrun --standalone --nproc_per_node=4 train_gpt.py --preset=speedrun --seed=3"
+        "LAUNCH python tools/launch.py --standalone --nproc_per_node=4 train_gpt.py --preset=speedrun --seed=3"
 
 
 def test_run_sh_keeps_the_users_preset(tmp_path):
     assert run_sh(tmp_path, 2, args=("--preset=cpu", "--seed=3")) == \
-        "LAUNCH torchrun --standalone --nproc_per_node=2 train_gpt.py --preset=cpu --seed=3"
+        "LAUNCH python tools/launch.py --standalone --nproc_per_node=2 train_gpt.py --preset=cpu --seed=3"
 
 
 def test_run_sh_refuses_gpus_that_torch_cannot_use_in_one_line(tmp_path):
@@ -56,9 +56,10 @@ def test_run_sh_refuses_gpus_that_torch_cannot_use_in_one_line(tmp_path):
     assert "nvidia-smi lists 8 GPU(s) but this Python's torch cannot use them (torch 2.13.0+cpu, CUDA None)" in message
 
 
-def test_run_sh_falls_back_to_torch_distributed_run(tmp_path):
+def test_run_sh_launches_through_tools_launch_whether_or_not_torchrun_is_on_the_path(tmp_path):
+    """tools/launch.py, whose signals end as the trainer's do (plain torchrun's end in a traceback and exit 1)."""
     launch = run_sh(tmp_path, 2, with_torchrun=False)
-    assert launch == ("LAUNCH python -m torch.distributed.run --standalone --nproc_per_node=2 train_gpt.py "
+    assert launch == ("LAUNCH python tools/launch.py --standalone --nproc_per_node=2 train_gpt.py "
                       "--preset=speedrun --seed=3")
 
 

@@ -562,3 +562,64 @@ def test_every_committed_record_reads_whole_and_its_readme_quotes_its_losses(fol
     readme = (REPO / "records" / folder / "README.md").read_text()
     for run in runs:
         assert f"{run.final_val_loss:.4f}" in readme, (folder, run.name)
+
+
+# ---------------------------------------------------------------- hostile paths
+
+REBUILD = REPO / "records" / "rebuild_run.py"
+
+
+def test_rebuilding_from_a_binary_file_is_one_line(tmp_path):
+    """Was a UnicodeDecodeError traceback."""
+    log = tmp_path / "run.txt"
+    log.write_bytes(b"\x89PNG\r\n\x1a\n\x00\xff\xfe")
+    proc = subprocess.run([sys.executable, str(REBUILD), str(log), str(tmp_path / "out")], capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 2 and proc.stderr == (f"error: cannot read the log {log}: not a text file (byte 8 is "
+                                                    "not UTF-8 text); pass a <run_id>.txt that train_gpt.py wrote\n")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("make, said", [
+    (lambda d: d / "missing" / "run.txt", "no such file (its folder"),
+    (lambda d: d, "it is a folder, not a file"),
+    (lambda d: (os.mkfifo(d / "fifo.txt"), d / "fifo.txt")[1], "it is a FIFO (named pipe), not a file")],
+    ids=["missing parent", "folder", "fifo"])
+def test_rebuilding_from_what_is_not_a_log_file_is_one_line(tmp_path, make, said):
+    proc = subprocess.run([sys.executable, str(REBUILD), str(make(tmp_path)), str(tmp_path / "out")],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and said in proc.stderr and len(proc.stderr.splitlines()) == 1, proc.stderr
+
+
+def test_rebuilding_into_a_file_or_an_unmakeable_folder_is_one_line(tmp_path):
+    log = next((REPO / "records" / "2026-12-02_cpu_sample").glob("*.txt"))
+    (tmp_path / "file").write_text("mine\n")
+    for out, said in [(tmp_path / "file", "it is not a folder"), (tmp_path / "file" / "sub", "a file on the way"),
+                      (Path("/proc/nope/out"), "cannot make OUT_DIR /proc/nope/out")]:
+        proc = subprocess.run([sys.executable, str(REBUILD), str(log), str(out)], capture_output=True, text=True,
+                              timeout=60)
+        assert proc.returncode == 2 and said in proc.stderr and len(proc.stderr.splitlines()) == 1, proc.stderr
+    assert (tmp_path / "file").read_text() == "mine\n"
+
+
+def test_the_reader_names_a_fifo_or_a_device_for_what_it_is_and_never_blocks_on_it(tmp_path):
+    """A FIFO was 'no such file or folder'; one inside a folder is passed over (reading it would block)."""
+    os.mkfifo(tmp_path / "pipe")
+    os.mkfifo(tmp_path / "inside.txt")
+    proc = run_cli(tmp_path / "pipe", "/dev/null", tmp_path / "nope" / "x.txt", tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.splitlines()
+    assert f"skipped {tmp_path / 'pipe'}: it is a FIFO (named pipe), not a log file or a folder of them" in lines
+    assert "skipped /dev/null: it is a device, not a log file or a folder of them" in lines
+    assert (f"skipped {tmp_path / 'nope' / 'x.txt'}: no such file or folder (its folder {tmp_path / 'nope'} does "
+            "not exist either)") in lines
+    assert lines[-1].startswith("error: no run could be read")
+
+
+@needs_matplotlib
+def test_a_plot_folder_that_is_a_fifo_says_so(tmp_path):
+    """It was called 'a file'."""
+    os.mkfifo(tmp_path / "pipe")
+    proc = run_cli(FIX / "ours", "--plot", tmp_path / "pipe")
+    assert proc.returncode == 2 and proc.stderr == (f"error: --plot {tmp_path / 'pipe'} is a FIFO (named pipe), not a "
+                                                    "folder; pass a folder (it is made if missing)\n"), proc.stderr

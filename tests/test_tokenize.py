@@ -193,8 +193,30 @@ def test_existing_shards_need_overwrite_and_stale_ones_go(tmp_path, enc):
 
 def test_missing_input_is_one_line(tmp_path):
     proc = run_tool("--input", str(tmp_path / "nope.txt"), "--output_dir", str(tmp_path / "out"))
-    assert_one_line_error(proc, "nope.txt", "does not exist")
+    assert_one_line_error(proc, "nope.txt", "no such file")
     assert not (tmp_path / "out").exists()
+
+
+def test_an_input_that_is_not_a_file_is_one_line_naming_what_it_is(tmp_path):
+    """A FIFO or a folder was 'does not exist or is not a file'; a FIFO is never opened (it would block)."""
+    os.mkfifo(tmp_path / "pipe.txt")
+    for path, said in [(tmp_path / "pipe.txt", "it is a FIFO (named pipe), not a file"),
+                       (tmp_path, "it is a folder, not a file"),
+                       (tmp_path / "no" / "x.txt", f"no such file (its folder {tmp_path / 'no'} does not exist")]:
+        proc = run_tool("--input", str(path), "--output_dir", str(tmp_path / "out"))
+        assert_one_line_error(proc, f"cannot read --input {path}: {said}", "pass .txt, .jsonl or .parquet files")
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_output_dir_that_cannot_be_a_folder_is_one_line(tmp_path):
+    """A file in its place was 'cannot create ...: File exists', nothing said of what to pass."""
+    (tmp_path / "doc.txt").write_text("hello world\n")
+    (tmp_path / "file").write_text("mine")
+    for out, said in [(tmp_path / "file", "it is not a folder"), (tmp_path / "file" / "sub", "a file on the way"),
+                      ("/proc/nope/out", "cannot make --output_dir /proc/nope/out")]:
+        proc = run_tool("--input", str(tmp_path / "doc.txt"), "--output_dir", str(out))
+        assert_one_line_error(proc, said, "pass a folder you can write")
+    assert (tmp_path / "file").read_text() == "mine"
 
 
 @pytest.mark.parametrize("option, value, valid", [

@@ -251,3 +251,162 @@ def test_v2_checkpoint_samples_through_decode_s_history_path(v2_checkpoint):
                               "--temperature", 0, env=TOKENIZER_ENV)
     assert sampled.returncode == 0, sampled.stderr
     assert sampled.stdout.count("The President") == 1
+
+
+# ----------------------------------------------------------------------------- launch.py: the signals that stop it
+
+STOPPING_WORKER = """
+import os, signal, sys, time
+got = []
+def stop(signum, frame):  # as the trainer's StopSignal: the first stops at the next step, a second exits at once
+    if got:
+        os._exit(128 + signum)
+    got.append(signum)
+signal.signal(signal.SIGINT, stop)
+signal.signal(signal.SIGTERM, stop)
+print("ready", os.getpid(), flush=True)
+while not got:
+    time.sleep(0.05)
+time.sleep(float(sys.argv[1]))  # the step and the checkpoint
+print("stopped cleanly", flush=True)
+sys.exit(128 + got[0])
+"""
+
+
+def launch_and_signal(tmp_path, signals, stop_s):
+    """tools/launch.py with one worker that stops as the trainer does, sent these signals once it runs: the
+    launcher's exit status and stderr, the worker's stdout, and whether the worker outlived the launcher."""
+    import signal
+    import subprocess
+    import sys
+    import time
+    worker = tmp_path / "worker.py"
+    worker.write_text(STOPPING_WORKER)
+    out = tmp_path / "out.txt"
+    with open(out, "w") as stdout:
+        proc = subprocess.Popen([sys.executable, str(loading.REPO / "tools" / "launch.py"), "--standalone",
+                                 "--nproc_per_node=1", str(worker), str(stop_s)], cwd=tmp_path, stdout=stdout,
+                                stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        deadline = time.monotonic() + 120
+        while "ready" not in out.read_text() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        worker_pid = int(out.read_text().split()[1])
+        for sig in signals:
+            proc.send_signal(getattr(signal, sig))
+            time.sleep(0.5)
+        _, stderr = proc.communicate(timeout=60)
+    time.sleep(0.5)
+    alive = os.path.exists(f"/proc/{worker_pid}") and "zombie" not in open(f"/proc/{worker_pid}/status").read()
+    return proc.returncode, stderr, out.read_text(), alive
+
+
+@pytest.mark.parametrize("sig, status", [("SIGTERM", 143), ("SIGINT", 130)])
+def test_a_signal_stops_the_launcher_s_workers_then_it_in_one_line(tmp_path, sig, status):
+    """As the trainer: the worker gets the signal and stops cleanly, the launcher says so in one line and exits
+    128 + the signal (was torchrun's SignalException traceback and exit status 1)."""
+    rc, stderr, stdout, alive = launch_and_signal(tmp_path, [sig], stop_s=1)
+    assert rc == status and len(stderr.strip().splitlines()) == 1, stderr[-3000:]
+    assert stderr.startswith(f"error: stopped by signal {sig}: sent on to the workers, which stopped")
+    assert "stopped cleanly" in stdout and not alive
+
+
+def test_a_second_ctrl_c_ends_the_launcher_and_its_workers_at_once_in_one_line(tmp_path):
+    """The worker's graceful stop would take a minute; the second Ctrl-C ends it and the launcher at once (was two
+    chained tracebacks, and the worker left running)."""
+    rc, stderr, stdout, alive = launch_and_signal(tmp_path, ["SIGINT", "SIGINT"], stop_s=60)
+    assert rc == 130 and len(stderr.strip().splitlines()) == 1, stderr[-3000:]
+    assert stderr.startswith("error: stopped by a second signal (SIGINT): sent on to the workers, which exit at once")
+    assert "stopped cleanly" not in stdout and not alive
+
+
+# ----------------------------------------------------------------------------- cli.py: a user's paths and lists
+
+def test_a_users_path_to_read_is_one_line_for_each_way_it_cannot_be_read(tmp_path):
+    from tools.cli import UsageError, read_user_file
+    (tmp_path / "binary").write_bytes(b"ok\x00\xff")
+    (tmp_path / "file").write_text("text")
+    os.mkfifo(tmp_path / "fifo")
+    for path, said in [(tmp_path / "binary", "not a text file (byte 2 is not UTF-8 text)"),
+                       (tmp_path, "it is a folder, not a file"),
+                       (tmp_path / "fifo", "it is a FIFO (named pipe), not a file"),
+                       (tmp_path / "a" / "b", f"no such file (its folder {tmp_path / 'a'} does not exist either)"),
+                       (tmp_path / "file" / "b", f"{tmp_path / 'file'} is not a folder"),
+                       ("/proc/nope/x", "no such file (its folder /proc/nope does not exist either)")]:
+        with pytest.raises(UsageError) as e:
+            read_user_file(path, "the log", "pass a log")
+        assert str(e.value) == f"cannot read the log {path}: {said}; pass a log"
+    assert read_user_file(tmp_path / "binary", "the log", "", binary=True) == b"ok\x00\xff"
+    assert read_user_file(tmp_path / "file", "the log", "") == "text"
+
+
+def test_a_users_path_to_write_is_checked_then_written_whole(tmp_path):
+    from tools.cli import UsageError, write_user_file
+    os.mkfifo(tmp_path / "fifo")
+    (tmp_path / "file").write_text("kept")
+    for path, said in [(tmp_path, "it is a folder"), (tmp_path / "fifo", "it is a FIFO (named pipe)"),
+                       (tmp_path / "file" / "x", f"cannot make its folder {tmp_path / 'file'} (a file on the way"),
+                       ("/proc/nope/x.json", "cannot make its folder /proc/nope (No such file or directory)")]:
+        with pytest.raises(UsageError, match=f"^cannot write --out {path}: " + re_escape(said)):
+            write_user_file(path, "data", "--out", "pass another")
+    write_user_file(tmp_path / "new" / "x.json", "data", "--out", "")
+    write_user_file(tmp_path / "file", "replaced", "--out", "")
+    assert (tmp_path / "new" / "x.json").read_text() == "data" and (tmp_path / "file").read_text() == "replaced"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["fifo", "file", "new"]  # no temporary file left
+
+
+def re_escape(text):
+    import re
+    return re.escape(text)
+
+
+def test_a_list_argument_is_never_empty():
+    from tools.cli import comma_list, integer
+    sizes = comma_list(integer(1), items="world sizes")
+    assert sizes("1, 8,") == [1, 8]
+    for text, said in [("", "empty list ''; pass one or more world sizes"), (",", "empty list ','"),
+                       ("1,0", "bad value '0'; valid: an integer at least 1")]:
+        with pytest.raises(argparse.ArgumentTypeError, match=re_escape(said)):
+            sizes(text)
+    with pytest.raises(argparse.ArgumentTypeError, match="unknown 'x'; valid: a, b"):
+        comma_list(choices=("a", "b"))("a,x")
+
+
+def test_a_checkpoint_path_that_is_not_a_folder_says_what_it_is(tmp_path):
+    """A FIFO or a file was 'has no checkpoint.json'; a missing one names its missing folder."""
+    os.mkfifo(tmp_path / "pipe")
+    (tmp_path / "file").write_text("")
+    for path, said in [(tmp_path / "pipe", "is a FIFO (named pipe), not a folder"),
+                       (tmp_path / "file", "is a file, not a folder"),
+                       (tmp_path / "a" / "b", f"does not exist (its folder {tmp_path / 'a'} does not exist either)")]:
+        with pytest.raises(T.UsageError, match="^" + re_escape(f"{path} {said}; pass a step_N folder")):
+            loading.load_model(path, "cpu")
+
+
+def test_hellaswag_data_that_is_not_a_file_is_refused_before_the_model_loads(tmp_path):
+    os.mkfifo(tmp_path / "pipe.jsonl")
+    result = tool_in_process("hellaswag", tmp_path / "no_checkpoint", "--data", tmp_path / "pipe.jsonl")
+    assert one_error_line(result) == (f"error: cannot read --data {tmp_path / 'pipe.jsonl'}: it is a FIFO (named "
+                                      f"pipe), not a file; {evaluation.HELLASWAG_FETCH_HINT}")
+
+
+def test_export_into_a_file_is_refused_before_the_model_loads(tmp_path):
+    (tmp_path / "file").write_text("mine")
+    result = tool_in_process("export", tmp_path / "no_checkpoint", tmp_path / "file")
+    assert one_error_line(result) == f"error: OUT_DIR {tmp_path / 'file'} is not a folder; pick a folder (made if " \
+                                     "missing)"
+    assert (tmp_path / "file").read_text() == "mine"
+
+
+@pytest.mark.parametrize("args, said", [
+    (["--nproc_per_node=0", "w.py"], "--nproc_per_node of at least 1"),
+    (["--nnodes=0", "w.py"], "with 1 <= MIN <= MAX"),
+    (["--bogus", "w.py"], "unrecognized arguments: --bogus (see tools/launch.py --help"),
+    (["--standalone", "--nproc_per_node=1", "nope.py"], "cannot read the training script nope.py: no such file")])
+def test_a_bad_launcher_argument_is_one_line_before_anything_starts(tmp_path, args, said):
+    """torchrun printed its usage block, or an AssertionError traceback from its agent (--nproc_per_node=0)."""
+    import subprocess
+    import sys
+    (tmp_path / "w.py").write_text("")
+    done = subprocess.run([sys.executable, str(loading.REPO / "tools" / "launch.py"), *args], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert said in one_error_line(done)

@@ -8,15 +8,27 @@ the tools pass it to run_cli as one more usage-error type.
 
 Every program's arguments are read by OneLineArgumentParser (a bad one is the same one line), and every number
 argument is range-checked where it is parsed, by a type= from integer() or number(): a value outside its range is
-refused naming the valid one, never passed on to fail later (NaN and inf are never valid).
+refused naming the valid one, never passed on to fail later (NaN and inf are never valid). A comma-separated list
+argument is parsed by comma_list(), which never gives an empty list.
+
+A path the user names is read through read_user_file() (or checked by user_file() where the program opens it
+itself) and written through write_user_file() (checked first by output_file(), before any long work): a folder,
+a FIFO or device, a missing or unreadable file, a binary file where text is wanted, a missing parent folder or
+one that cannot be written is one UsageError naming the path, what it is, and what to pass instead.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import errno
 import math
+import os
 import signal
+import stat
+import tempfile
 import sys
+from pathlib import Path
 from typing import Callable
 
 # Exit statuses, the same for every program here (README, "Errors and exit statuses").
@@ -91,3 +103,139 @@ def ranged(parse: Callable[[str], float], ok: Callable[[float], bool], valid: st
             raise argparse.ArgumentTypeError(f"bad value {text!r}; valid: {valid}")
         return value
     return convert
+
+
+def comma_list(item: Callable[[str], object] = str, choices: tuple | list | None = None,
+               items: str = "values") -> Callable[[str], list]:
+    """An argparse type= for a comma-separated list: each item parsed by item (an integer() or number() range
+    check), or one of choices; an empty list ('', ',') is refused, as it only ever means a typo."""
+    def convert(text: str) -> list:
+        parts = [part.strip() for part in text.split(",") if part.strip()]
+        if not parts:
+            valid = f"one or more of {', '.join(map(str, choices))}" if choices else f"one or more {items}"
+            raise argparse.ArgumentTypeError(f"empty list {text!r}; pass {valid}, comma-separated")
+        unknown = [part for part in parts if choices is not None and part not in choices]
+        if unknown:
+            raise argparse.ArgumentTypeError(f"unknown {', '.join(map(repr, unknown))}; valid: {', '.join(choices)}")
+        return [item(part) for part in parts]
+    return convert
+
+
+def what_is_there(path: Path) -> str:
+    """What is at path when it is not a regular file: 'a folder', 'a FIFO (named pipe)', ... ('' for a file)."""
+    mode = os.stat(path).st_mode
+    if stat.S_ISREG(mode):
+        return ""
+    return ("a folder" if stat.S_ISDIR(mode) else "a FIFO (named pipe)" if stat.S_ISFIFO(mode) else
+            "a socket" if stat.S_ISSOCK(mode) else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else
+            "not a regular file")
+
+
+def missing(path: Path) -> str:
+    """Why a path that cannot be stat'ed is not there: the nearest of its folders that is missing, or a file
+    on the way that is not a folder."""
+    for parent in path.parents:
+        if parent.is_dir():
+            break
+        if parent.exists():
+            return f"{parent} is not a folder"
+        if parent.parent.is_dir():
+            return f"no such file (its folder {parent} does not exist either)"
+    return "no such file"
+
+
+def user_file(path: str | os.PathLike, what: str, fix: str) -> Path:
+    """path when it is a regular file this process may read; else a UsageError: 'cannot read WHAT PATH: why;
+    FIX'. Never opens it (a FIFO would block until a writer came)."""
+    path = Path(path)
+    try:
+        there = what_is_there(path)
+    except OSError as e:
+        why = missing(path) if e.errno in (errno.ENOENT, errno.ENOTDIR) else e.strerror or str(e)
+        raise UsageError(f"cannot read {what} {path}: {why}; {fix}") from None
+    if there:
+        raise UsageError(f"cannot read {what} {path}: it is {there}, not a file; {fix}")
+    if not os.access(path, os.R_OK):
+        raise UsageError(f"cannot read {what} {path}: permission denied; {fix}")
+    return path
+
+
+def read_user_file(path: str | os.PathLike, what: str, fix: str, binary: bool = False) -> str | bytes:
+    """The contents of a file the user named: text (UTF-8, no NUL bytes) unless binary; every way it cannot be
+    read (see user_file; a binary file where text is wanted) is one UsageError that says what to pass instead."""
+    path = user_file(path, what, fix)
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise UsageError(f"cannot read {what} {path}: {e.strerror or e}; {fix}") from None
+    if binary:
+        return data
+    try:
+        if b"\0" in data:
+            raise UnicodeDecodeError("utf-8", data, data.index(b"\0"), data.index(b"\0") + 1, "NUL byte")
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise UsageError(f"cannot read {what} {path}: not a text file (byte {e.start} is not UTF-8 text); "
+                         f"{fix}") from None
+
+
+def output_file(path: str | os.PathLike, what: str, fix: str) -> Path:
+    """path when a file can be written there: checked before a program's work, so that a bad output path is
+    refused at once, not after the work is done. Its folder is made if missing."""
+    path = Path(path)
+    try:
+        there = what_is_there(path) if os.path.lexists(path) else ""
+    except OSError as e:  # a dangling link, or no permission to look
+        there = "" if e.errno == errno.ENOENT else e.strerror or str(e)
+    if there:
+        raise UsageError(f"cannot write {what} {path}: it is {there}; {fix}")
+    folder = path.parent
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        why = "a file on the way is not a folder" if e.errno in (errno.ENOTDIR, errno.EEXIST) else e.strerror
+        raise UsageError(f"cannot write {what} {path}: cannot make its folder {folder} ({why}); {fix}") from None
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise UsageError(f"cannot write {what} {path}: its folder {folder} is not writable; {fix}")
+    return path
+
+
+def output_folder(path: str | os.PathLike, what: str, fix: str) -> Path:
+    """path when it is a folder this process can write into, made if missing; else one UsageError."""
+    path = Path(path)
+    if os.path.lexists(path) and not path.is_dir():
+        raise UsageError(f"cannot write into {what} {path}: it is not a folder; {fix}")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        why = "a file on the way is not a folder" if e.errno in (errno.ENOTDIR, errno.EEXIST) else e.strerror
+        raise UsageError(f"cannot make {what} {path} ({why}); {fix}") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise UsageError(f"cannot write into {what} {path}: permission denied; {fix}")
+    return path
+
+
+def write_user_file(path: str | os.PathLike, data: str | bytes, what: str, fix: str) -> Path:
+    """Writes data to a file the user named, whole or not at all (a temporary file beside it, renamed over it):
+    an earlier file there is never left half written. Any failure is one UsageError."""
+    path = output_file(path, what, fix)
+    raw = data.encode("utf-8") if isinstance(data, str) else data
+    tmp = None
+    try:
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".part")
+        with os.fdopen(fd, "wb") as f:
+            f.write(raw)
+        os.chmod(tmp, 0o666 & ~current_umask())
+        os.replace(tmp, path)
+    except OSError as e:
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+        raise UsageError(f"cannot write {what} {path}: {e.strerror or e}; {fix}") from None
+    return path
+
+
+def current_umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask

@@ -28,6 +28,8 @@ from tools.loading import (EXPORT_CONFIG, EXPORT_FORMAT, EXPORT_FORMAT_VERSION, 
 def check_out_dir(out_dir: Path, overwrite: bool) -> None:
     """Refuses a folder that holds a file of the export's names: a user's own file is never replaced, and an
     earlier export only with overwrite."""
+    if os.path.lexists(out_dir) and not out_dir.is_dir():
+        raise T.UsageError(f"OUT_DIR {out_dir} is not a folder; pick a folder (made if missing)")
     existing = [name for name in (EXPORT_WEIGHTS, EXPORT_CONFIG) if (out_dir / name).exists()]
     if existing and not overwrite:
         raise T.UsageError(f"{out_dir} already holds {' and '.join(existing)}; pick an empty folder, or pass "

@@ -38,6 +38,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     opts = parse(argv)
+    if opts.data:  # now, not after the model loads
+        from tools.cli import user_file
+        user_file(opts.data, "--data", evaluation.HELLASWAG_FETCH_HINT)
     loaded = load_model(opts.checkpoint, opts.device, opts.window)
     max_tokens = min(evaluation.HELLASWAG_PACK_TOKENS, loaded.model.context_len)
     items, path = evaluation.load_hellaswag(opts.data, max_tokens, Path(opts.cache_dir) if opts.cache_dir else None)

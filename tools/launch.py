@@ -11,10 +11,16 @@ Plain torchrun ends the same failure (a node that never starts, a wrong HOST, a 
 a 40-line traceback of its rendezvous internals after join_timeout (600 s by default). Here it is
 one `error:` line and exit status 3 (EXIT_PEER_LOST: the peers did not come). A failed worker ends
 it with that worker's exit status (2 for a usage error, 128 + N for signal N) instead of torchrun's 1.
+SIGINT and SIGTERM end it as they end the trainer: the first is sent on to the workers, which stop at their
+next step (the trainer checkpoints), then one line and exit status 128 + N; a second is sent on too, and the
+workers and the launcher exit at once.
 """
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -30,11 +36,40 @@ def rdzv_conf(args) -> dict[str, str]:
     return dict(kv.split("=", 1) for kv in args.rdzv_conf.split(",") if "=" in kv)
 
 
+def torchrun_args(argv: list[str]):
+    """torchrun's parse of argv, checked as far as it can be before anything starts: a bad argument, node or
+    process count, or a training script that is not a readable file is one UsageError (torchrun printed
+    argparse's usage block, or a traceback of its agent's assertions)."""
+    import io
+    from torch.distributed.run import determine_local_world_size, parse_args, parse_min_max_nnodes
+    from tools.cli import UsageError, user_file
+    said = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(said):
+            args = parse_args(argv)
+    except SystemExit as e:
+        if not e.code:  # --help
+            raise
+        raise UsageError(said.getvalue().strip().splitlines()[-1].split(": error: ", 1)[-1]
+                         + " (see tools/launch.py --help: torchrun's arguments)") from None
+    try:
+        lo, hi = parse_min_max_nnodes(args.nnodes)
+        procs = determine_local_world_size(args.nproc_per_node)
+    except (ValueError, RuntimeError) as e:
+        raise UsageError(f"{one_line(e)}: pass --nnodes=N or MIN:MAX and --nproc_per_node=N, gpu, cpu or "
+                         "auto") from None
+    if not 1 <= lo <= hi or procs < 1:
+        raise UsageError(f"--nnodes={args.nnodes} --nproc_per_node={args.nproc_per_node}: pass --nnodes=N or MIN:MAX "
+                         "with 1 <= MIN <= MAX, and --nproc_per_node of at least 1")
+    if not args.module and not args.no_python:
+        user_file(args.training_script, "the training script", "pass the path of train_gpt.py")
+    return args
+
+
 def with_store_timeout(argv: list[str]) -> list[str]:
     """argv with the rendezvous store's read_timeout at most join_timeout (unless the user set it), so that an
     endpoint that never answers is given up on after about join_timeout, not after minutes of retries."""
-    from torch.distributed.run import parse_args
-    args = parse_args(argv)
+    args = torchrun_args(argv)
     conf = rdzv_conf(args)
     if args.standalone or args.rdzv_backend != "c10d" or "read_timeout" in conf:
         return argv
@@ -71,14 +106,78 @@ def quiet_torch_import() -> None:
             os.environ["TORCH_CPP_LOG_LEVEL"] = before
 
 
+class LauncherSignals:
+    """The signals torchrun handles (SIGINT, SIGTERM, SIGHUP, SIGQUIT), taken as the trainer's StopSignal takes
+    them. torchrun's own handler raises SignalException on every signal: the first one, with the workers running,
+    still does (its agent sends the signal on to each worker and waits for them), and main() ends in one line;
+    a signal before any worker starts, or a second one, is sent on to the workers and ends the launcher at once,
+    not in a second traceback chained to the first."""
+
+    def __init__(self):
+        self.signum: int | None = None
+        self.contexts: list = []  # torchrun's process contexts: each one's workers, in their own sessions
+
+    def install(self) -> "LauncherSignals":
+        """Before torch loads (a signal while it imports is one line too), then in place of torchrun's handler,
+        which each worker start registers again from its module."""
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self.handle)
+        quiet_torch_import()
+        from torch.distributed.elastic.multiprocessing import api
+        start = api.PContext.start
+
+        def start_noting(context) -> None:
+            self.contexts.append(context)
+            start(context)
+
+        api.PContext.start = start_noting
+        api._terminate_process_handler = self.handle
+        self.signal_exception = api.SignalException
+        for name in ("torch.distributed.elastic.agent.server.api", "torch.distributed.elastic.multiprocessing.api"):
+            logging.getLogger(name).addFilter(self.quiet_after_signal)
+        return self
+
+    def quiet_after_signal(self, record: logging.LogRecord) -> bool:
+        """torchrun's warnings while it stops the workers ("death signal", "closing signal") are said by the one
+        line; a worker that must be killed (SIGKILL) still is."""
+        return self.signum is None or record.levelno > logging.WARNING or "forcefully" in record.getMessage()
+
+    def handle(self, signum: int, frame) -> None:
+        if self.signum is None and self.contexts:
+            self.signum = signum
+            raise self.signal_exception(f"got signal {signal.Signals(signum).name}", sigval=signal.Signals(signum))
+        self.send_on(signum)
+        print(f"error: {self.line(signum, again=self.signum is not None)}", file=sys.stderr, flush=True)
+        os._exit(128 + signum)
+
+    def send_on(self, signum: int) -> None:
+        for context in self.contexts:
+            for pid in context.pids().values():
+                with contextlib.suppress(OSError):  # a worker already gone
+                    os.killpg(pid, signum)
+
+    def line(self, signum: int, again: bool = False) -> str:
+        name = signal.Signals(signum).name
+        if not self.contexts:
+            return f"stopped by signal {name} before any worker started; nothing was run: run again"
+        if again:
+            return (f"stopped by a second signal ({name}): sent on to the workers, which exit at once; resume from "
+                    "the last checkpoint")
+        return (f"stopped by signal {name}: sent on to the workers, which stopped (a run stops at its next step, "
+                "after a checkpoint); resume from the last checkpoint")
+
+
 def main(argv: list[str] | None = None) -> int:
-    quiet_torch_import()
+    signals = LauncherSignals().install()
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous import RendezvousError
     from torch.distributed.run import main as torchrun_main
     argv = sys.argv[1:] if argv is None else argv
     try:
         torchrun_main(with_store_timeout(argv))
+    except signals.signal_exception as e:  # torchrun has stopped the workers
+        print(f"error: {signals.line(e.sigval)}", file=sys.stderr, flush=True)
+        return 128 + e.sigval
     except RendezvousError as e:
         print(f"error: {rendezvous_line(argv, e)}", file=sys.stderr, flush=True)
         return EXIT_PEER_LOST

@@ -147,8 +147,15 @@ def load_model(path: str | Path, device: str | torch.device = "auto", window: st
         return load_checkpoint(path, device, window)
     if (path / EXPORT_CONFIG).is_file() and (path / EXPORT_WEIGHTS).is_file():
         return load_exported(path, device, window)
-    what = "does not exist" if not path.exists() else f"has no {checkpoints.CHECKPOINT_META} (nor {EXPORT_CONFIG} + " \
-        f"{EXPORT_WEIGHTS})"
+    from tools.cli import missing, what_is_there
+    try:
+        there = what_is_there(path) or "a file"
+        what = (f"has no {checkpoints.CHECKPOINT_META} (nor {EXPORT_CONFIG} + {EXPORT_WEIGHTS})" if path.is_dir()
+                else f"is {there}, not a folder")
+    except (FileNotFoundError, NotADirectoryError):
+        what = "does not exist" + missing(path).removeprefix("no such file")
+    except OSError as e:
+        what = f"cannot be read ({e.strerror or e})"
     raise T.UsageError(f"{path} {what}; pass a step_N folder that train_gpt.py wrote (train with "
                        "--checkpoint_final=true) or a folder tools/export.py wrote")
 
