@@ -1,34 +1,86 @@
-"""The trainer's command line, beside train_gpt.py: how a dataclass of hyperparameters becomes `--name=value`
-flags (their kinds, their one-line help and groups, the range each accepts), and the one-line errors and exit
-statuses every bad input ends in. Nothing here knows the speedrun: train_gpt.py declares its Hyperparameters with
-flag() and its ranges with the rules below. No torch: tools/cli.py gives data/ and records/ the same endings.
+"""The command line of every program here, without torch: how a dataclass of hyperparameters becomes
+`--name=value` flags (their kinds, their one-line help and groups), the rules of what a flag or argument accepts
+(Rule: the trainer checks its fields with them, and every program's argparse takes them as type=), and the one-line
+errors and exit statuses every bad input ends in (UsageError, run_cli, OneLineArgumentParser). Nothing here knows
+the speedrun: train_gpt.py declares its Hyperparameters with flag() and its ranges with the rules below; data/ and
+records/, which run on machines without torch, end the same way through this module.
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import math
+import os
+import signal
+import sys
 import types
 import typing
 from dataclasses import dataclass
 
-# Exit statuses, the same for every program here (README, "Errors and exit statuses"; tools/cli.py has the rest).
+# Exit statuses, the same for every program here (README, "Errors and exit statuses").
 EXIT_OK = 0
+EXIT_SOME_FAILED = 1  # a program that runs many jobs (bench/ablation.py) finished, but some of them failed
 EXIT_USAGE = 2  # a UsageError: the one-line message says what to fix
-EXIT_PEER_LOST = 3  # a collective failed: another rank died or stopped answering
+EXIT_PEER_LOST = 3  # a collective failed (the trainer), or a rendezvous did not form (tools/launch.py)
 EXIT_RUN_FAILED = 4  # a RunFailed: the run itself failed (diverged, out of data, disk full), not its input
 
 
 class UsageError(Exception):
-    """An expected bad condition (flag, data, checkpoint, file, environment): reported as one line that
-    says what to do, no traceback. tools/cli.py has the torch-free twin that data/ and records/ raise."""
+    """An expected bad condition (flag, data, checkpoint, file, environment, the network): reported as one line
+    that says what to do, no traceback."""
     exit_status = EXIT_USAGE
+
+    def __init__(self, message: str = "", retryable: bool = False):
+        super().__init__(message)
+        self.retryable = retryable  # trying the same thing again may work (a download that timed out)
 
 
 class RunFailed(UsageError):
     """A run that started well and failed on its own (diverged, ran out of data, a full disk, a full KV cache):
     one line that says what to do, like a UsageError, but its own exit status, since no flag was wrong."""
     exit_status = EXIT_RUN_FAILED
+
+
+# ----------------------------------------------------------------------------- how a program ends
+
+def one_line(text: object, limit: int = 1000) -> str:
+    """Whitespace collapsed and cut to limit characters: how an error is printed."""
+    s = " ".join(str(text).split())
+    return s if len(s) <= limit else s[:limit - 1] + "…"
+
+
+def run_cli(main, interrupted: str = "nothing was lost") -> int:
+    """main()'s exit status; a UsageError as one 'error: ...' line and its exit status, Ctrl-C as one line and 130
+    (128 + SIGINT)."""
+    try:
+        return main()
+    except UsageError as e:
+        print(f"error: {one_line(e)}", file=sys.stderr, flush=True)
+        return e.exit_status
+    except KeyboardInterrupt:
+        print(f"error: interrupted; {interrupted}", file=sys.stderr, flush=True)
+        return 128 + signal.SIGINT
+
+
+def stopped_before_training(signum: int) -> str:
+    """The one line a signal ends a run with before its first training step."""
+    return (f"error: stopped by signal {signal.Signals(signum).name} before the first training step; nothing was "
+            "trained or saved: run again (or resume from the last checkpoint)")
+
+
+def exit_on_signal_while_importing(signum: int, frame) -> None:
+    """Ctrl-C or SIGTERM while numpy and torch import (seconds, before train() installs StopSignal)."""
+    print(stopped_before_training(signum), file=sys.stderr, flush=True)
+    os._exit(128 + signum)
+
+
+class OneLineArgumentParser(argparse.ArgumentParser):
+    """argparse for every program here: a bad argument is the one 'error: ...' line (exit 2) that run_cli prints
+    for every usage error, not argparse's usage block; --help still prints the whole usage."""
+
+    def error(self, message: str):
+        raise UsageError(f"{message} (see {self.prog} --help)")
 
 
 # ----------------------------------------------------------------------------- fields as flags
@@ -135,22 +187,39 @@ def help_lines(values: object, others: dict[str, object], same: tuple[str, ...] 
 
 @dataclass(frozen=True)
 class Rule:
-    """What one flag accepts: a predicate and the valid range as the error message states it."""
+    """What one flag or argument accepts: a predicate, the valid range as the error message states it, and how a
+    command-line text becomes a value when the rule is an argparse type=."""
     ok: typing.Callable[[object], bool]
     valid: str
+    parse: typing.Callable[[str], object] = str
+
+    def __call__(self, text: str):
+        """As an argparse type=: the value of text, or argparse's one error naming the valid values."""
+        try:
+            value = self.parse(text)
+        except ValueError:
+            value = None
+        if value is None or not self.ok(value):
+            raise argparse.ArgumentTypeError(f"bad value {text!r}; valid: {self.valid}")
+        return value
 
 
 def integer(lo: int, hi: int | None = None) -> Rule:
+    """A whole number in [lo, hi] (hi None: no upper bound)."""
     return Rule(lambda v: lo <= v and (hi is None or v <= hi),
-                f"an integer at least {lo}" if hi is None else f"an integer in [{lo}, {hi}]")
+                f"an integer at least {lo}" if hi is None else f"an integer in [{lo}, {hi}]", int)
 
 
-def number(lo: float, hi: float = math.inf, hi_open: bool = False, lo_open: bool = False) -> Rule:
-    """A finite float in the interval (NaN and inf are refused everywhere: they only ever mean a typo)."""
+def number(lo: float, hi: float = math.inf, *, lo_open: bool = False, hi_open: bool = False,
+           also: tuple[float, ...] = ()) -> Rule:
+    """A finite float in the interval, or one of the exact values `also` (0 for "off"): NaN and inf are refused
+    everywhere (they only ever mean a typo)."""
     def ok(v):
-        return math.isfinite(v) and (v > lo if lo_open else v >= lo) and (v < hi if hi_open else v <= hi)
+        inside = (v > lo if lo_open else v >= lo) and (v < hi if hi_open else v <= hi)
+        return math.isfinite(v) and (inside or v in also)
     left, right = "(" if lo_open else "[", ")" if hi_open or hi == math.inf else "]"
-    return Rule(ok, f"a finite number in {left}{lo:g}, {'inf' if hi == math.inf else f'{hi:g}'}{right}")
+    valid = f"a finite number in {left}{lo:g}, {'inf' if hi == math.inf else f'{hi:g}'}{right}"
+    return Rule(ok, valid + "".join(f", or {v:g}" for v in also), float)
 
 
 def one_of(*allowed: str) -> Rule:

@@ -42,46 +42,36 @@ from datetime import timedelta
 from fractions import Fraction
 from pathlib import Path
 
-
-def stopped_before_training(signum: int) -> str:
-    """The one line a signal ends a run with before its first training step."""
-    return (f"error: stopped by signal {signal.Signals(signum).name} before the first training step; nothing was "
-            "trained or saved: run again (or resume from the last checkpoint)")
-
-
-def exit_on_signal_while_importing(signum: int, frame) -> None:
-    """Ctrl-C or SIGTERM while numpy and torch import (seconds, before train() installs StopSignal)."""
-    print(stopped_before_training(signum), file=sys.stderr, flush=True)
-    os._exit(128 + signum)
-
+# flags.py imports no torch: its handler is in place before the seconds that numpy and torch take to import.
+from flags import (ANY_BOOL, ANY_TEXT, BETA, EXIT_OK, EXIT_PEER_LOST, EXIT_RUN_FAILED, EXIT_USAGE, LR,  # noqa: F401
+                   NON_EMPTY, OPTIONAL_BETA, PLAIN_NAME, UNIT, Rule, RunFailed, UsageError, as_flags,
+                   exit_on_signal_while_importing, field_types, flag, flag_text, help_lines, integer, number, one_of,
+                   parse_overrides, stopped_before_training)
 
 if __name__ == "__main__":  # a signal during the imports below ends in one line, not a 40-line traceback
     signal.signal(signal.SIGINT, exit_on_signal_while_importing)
     signal.signal(signal.SIGTERM, exit_on_signal_while_importing)
 
-import numpy as np  # noqa: E402
+import numpy as np
 
 # The 2025-01 record's allocator setting, before torch starts CUDA (a user's own setting wins): training
 # (48K tokens) and validation (262K) graphs alternate, and fixed-size segments would fragment between them.
 os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-import torch.nn as nn  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from torch import Tensor  # noqa: E402
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch import Tensor
 
-from lifecycle import (TORCH_API, Interrupted, StopSignal, check_torch_install, device_notes,  # noqa: E402
-                       end_distributed, is_collective_failure, keep_freed_host_memory)
-from checkpoints import (Checkpoints, FiniteWatch, FlatShard, check_same_tensors, choose_checkpoint,  # noqa: E402
+from lifecycle import (TORCH_API, Interrupted, StopSignal, check_torch_install, device_notes, end_distributed,
+                       is_collective_failure, keep_freed_host_memory)
+from checkpoints import (Checkpoints, FiniteWatch, FlatShard, check_same_tensors, choose_checkpoint,
                          claim_run_folder, clean_stale_staging, local_part, lock_run_log, read_checkpoint_meta, segment,
                          training_state)
-from runlog import (ENERGY_PHASES, Clock, EnergyMeter, Metrics, RecompileWatch, RunFolder, RunLog,  # noqa: E402
+from runlog import (ENERGY_PHASES, Clock, EnergyMeter, Metrics, RecompileWatch, RunFolder, RunLog,
                     device_name, energy_line, environment_lines, git_commit, git_dirty, make_profiler, peak_memory_mib,
                     peak_tflops, progress_bar, progress_line, report_card, sources_sha256,
                     trainer_sources, write_header, write_report, write_summary)
-from flags import (ANY_BOOL, ANY_TEXT, BETA, EXIT_OK, EXIT_PEER_LOST, EXIT_RUN_FAILED, EXIT_USAGE, LR,  # noqa: E402,F401
-                   NON_EMPTY, OPTIONAL_BETA, PLAIN_NAME, UNIT, Rule, RunFailed, UsageError, as_flags, field_types, flag,
-                   flag_text, help_lines, integer, number, one_of, parse_overrides)
 
 REPO_DIR = Path(__file__).resolve().parent
 EOT_TOKEN = 50256  # <|endoftext|>: every document starts with it
@@ -903,8 +893,8 @@ def find_shards(pattern: str, what: str) -> list[Path]:
     if not matches and not os.path.isabs(pattern):
         matches = sorted(glob.glob(str(REPO_DIR / pattern)))
     if not matches:
-        hint = ("run `python data/cached_fineweb10B.py 9` to download them" if "fineweb" in pattern
-                else "make shards with `python data/fineweb.py --input ...` or pass --train_files/--val_files")
+        hint = ("run `python -m data.cached_fineweb10B 9` to download them" if "fineweb" in pattern
+                else "make shards with `python -m data.fineweb --input ...` or pass --train_files/--val_files")
         raise UsageError(f"no {what} shards match {pattern!r}; {hint}")
     return [Path(m) for m in matches]
 

@@ -1,8 +1,8 @@
 """What each recipe-v2 technique costs in speed: time per training step of every ablation variant, in one
 process, one after another, on the same 4,096-token batches of the bundled sample.
 
-    python bench/step_cost.py                        # the v2 suite's variants, 3 timed steps each, 1 thread
-    python bench/step_cost.py --suite=v2_part1 --steps=5 --threads=2
+    python -m bench.step_cost                        # the v2 suite's variants, 3 timed steps each, 1 thread
+    python -m bench.step_cost --suite=v2_part1 --steps=5 --threads=2
 
 Each variant is built as train_gpt.py builds it (build_model on the runtime setup_runtime picks, then
 build_optimizers) from the ablation suite's overrides, with one 4,096-token batch per step for every variant
@@ -21,12 +21,11 @@ from pathlib import Path
 
 import torch
 
+import train_gpt as T
+from bench import ablation
+from flags import OneLineArgumentParser, integer, run_cli
+
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "bench"))
-from tools.cli import OneLineArgumentParser, integer, run_cli  # noqa: E402
-import ablation  # noqa: E402
-import train_gpt as T  # noqa: E402
 
 STEP_TOKENS = 4096  # the cpu ablation's full batch: 4 sequences of 1,024
 

@@ -31,8 +31,8 @@ from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 
-import shardio
-from tools.cli import OneLineArgumentParser, UsageError, integer, one_line, run_cli  # shardio puts the repository root on sys.path
+from data import shardio
+from flags import OneLineArgumentParser, UsageError, integer, one_line, run_cli
 
 DATA_DIR = Path(__file__).resolve().parent
 DEFAULT_TRAIN_SHARDS = 8  # 800M tokens; one speedrun (1770 steps x 393,216 tokens) reads fewer than 9 shards

@@ -2,7 +2,7 @@
 """Rebuild a run from its log alone: the trainer's sources it embeds, and the command that trains it again.
 
 Usage:
-    python records/rebuild_run.py LOG OUT_DIR
+    python -m records.rebuild_run LOG OUT_DIR
 
 A log that train_gpt.py wrote embeds its own source and that of every sibling module it imported
 (checkpoints.py, runlog.py, ...), then every resolved hyperparameter. This writes each source into OUT_DIR
@@ -18,11 +18,8 @@ import shlex
 import sys
 from pathlib import Path
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from records.read_records import hyperparameter_blocks, log_sources  # noqa: E402  (the run log's one reader)
-from tools.cli import OneLineArgumentParser, UsageError, run_cli  # noqa: E402
+from flags import OneLineArgumentParser, UsageError, run_cli
+from records.read_records import hyperparameter_blocks, log_sources  # the run log's one reader
 
 
 def logged_hyperparameters(lines: list[str]) -> dict[str, str]:

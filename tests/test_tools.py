@@ -11,14 +11,14 @@ import urllib.request
 import pytest
 import torch
 
-import checkpoints  # noqa: E402
-import evaluation  # noqa: E402
+import checkpoints
+import evaluation
 import train_gpt as T
+from flags import integer, number, run_cli
 from conftest import TINY, TOKENIZER_ENV, run_main, tool, tool_in_process
 from conftest import needs_gpt2_vocab as needs_tokenizer
 from tools import hellaswag as H
 from tools import loading, sample
-from tools.loading import run_tool
 from tools.export import export
 from tools.loading import load_exported
 from test_evaluation import FIXTURE, FakeServer, prompt_with_documents
@@ -93,7 +93,7 @@ def test_sample_cli_refuses_a_nan_temperature_in_one_line(checkpoint):
     (H, "--limit=-1", "an integer at least 0"),
 ])
 def test_a_tool_number_out_of_range_is_one_error_line_naming_the_range(program, option, valid, checkpoint, capsys):
-    assert run_tool(lambda: program.main([str(checkpoint), option])) == 2
+    assert run_cli(lambda: program.main([str(checkpoint), option])) == 2
     name, value = option.split("=")
     err = capsys.readouterr().err
     assert err.startswith(f"error: argument {name}: bad value '{value}'; valid: {valid} (see ") and \
@@ -101,8 +101,7 @@ def test_a_tool_number_out_of_range_is_one_error_line_naming_the_range(program, 
 
 
 def test_cli_number_types_refuse_what_is_out_of_range_naming_the_range():
-    """tools/cli.py's type= helpers, which every program's number arguments use."""
-    from tools.cli import integer, number
+    """flags.py's rules as argparse type=, which every program's number arguments use."""
     def refused(convert, text):
         with pytest.raises(argparse.ArgumentTypeError) as caught:
             convert(text)
@@ -159,7 +158,7 @@ def test_checkpoint_of_another_shape_or_recipe_is_refused(checkpoint, tmp_path):
 
 def test_unreachable_file_is_one_line_with_the_url(monkeypatch, tmp_path, capsys, checkpoint):
     monkeypatch.setattr(urllib.request, "urlopen", FakeServer(None))
-    assert run_tool(lambda: H.main([str(checkpoint), "--cache_dir", str(tmp_path)])) == 2
+    assert run_cli(lambda: H.main([str(checkpoint), "--cache_dir", str(tmp_path)])) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "cannot download the HellaSwag validation file" in err[0] and evaluation.HELLASWAG_URL in err[0]
 
