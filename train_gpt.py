@@ -1116,7 +1116,6 @@ class BandedMask:
     chunks: list[tuple[int, int, Tensor]]
 
 
-@torch.compiler.disable  # the band's width is read from a tensor: a compiled model calls this eagerly
 def banded_window_mask(tokens: Tensor, window_blocks: Tensor, chunk_keys: int = BAND_CHUNK_KEYS) -> BandedMask:
     """The band of each query block, masked by the same rule as the dense and Flex masks.
 
@@ -1208,6 +1207,11 @@ class BandedAttention:
     """Banded masks and scaled_dot_product_attention: CPU, and wherever FlexAttention is off."""
     build_mask = staticmethod(banded_window_mask)
     attend = staticmethod(banded_attention)
+
+    def __init__(self):
+        # The band's width is read from a tensor: a compiled model calls this eagerly. Wrapped per model, not at
+        # import: torch.compiler.disable imports dynamo, a second of start-up that --help and flag errors skip.
+        self.build_mask = torch.compiler.disable(banded_window_mask)
 
 
 class FlexAttention:

@@ -385,3 +385,28 @@ def test_every_program_is_run_one_way_as_a_module_from_the_project_root():
     for program in ("tools/sample.py", "bench/gpu_check.py", "data/cached_fineweb10B.py", "records/read_records.py"):
         assert f"python -m {program[:-3].replace('/', '.')}" in (REPO / "README.md").read_text() + \
             (REPO / program).read_text(), program
+
+
+# The modules a run imports only when it needs them: checkpointing (DCP and DTensor), evaluation, TensorBoard and
+# dynamo (torch.compile), about as long to import as torch itself.
+LAZY = ("torch.distributed.checkpoint", "torch.distributed.tensor", "evaluation", "tensorboard", "torch._dynamo")
+IMPORTED_AT_EXIT = f"""import atexit, runpy, sys
+lazy = {LAZY!r}
+atexit.register(lambda: print("imported:", sorted({{m.split(".")[0] if not m.startswith("torch") else m
+                                                   for m in sys.modules if m.startswith(lazy)}}), file=sys.stderr))
+sys.argv = ["train_gpt.py", *sys.argv[1:]]
+runpy.run_path("train_gpt.py", run_name="__main__")
+"""
+
+
+@pytest.mark.parametrize("argv, status", [(["--help"], 0), (["--n_layer=1"], 2), (["--nope=1"], 2),
+                                           (["--preset=cpu", "--seq_len=100"], 2)])
+def test_help_and_flag_errors_import_no_checkpointing_evaluation_or_tensorboard(argv, status):
+    """`python train_gpt.py --help` and a refused flag print without importing what only a run uses (the modules
+    in sys.modules when the process ends, not a timing; bench/startup_time.py measures the time)."""
+    done = subprocess.run([sys.executable, "-c", IMPORTED_AT_EXIT, *argv], capture_output=True, text=True,
+                          cwd=REPO, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == status, done.stderr[-2000:]
+    imported = [line for line in done.stderr.splitlines() if line.startswith("imported:")]
+    assert imported == ["imported: []"], done.stderr[-2000:]
+
