@@ -33,8 +33,9 @@ from runlog import RunFolder, RunLog
 
 
 def dcp():
-    """torch.distributed.checkpoint, imported when a checkpoint is first written or read: with DTensor it takes about
-    as long to import as torch itself, which --help, flag errors and the start-up checks never pay."""
+    """torch.distributed.checkpoint, imported when a checkpoint is first written or read (a multi-rank run: before
+    its process group forms): with DTensor it takes about as long to import as torch itself, which --help, flag
+    errors and the start-up checks never pay."""
     import torch.distributed.checkpoint
     return torch.distributed.checkpoint
 

@@ -66,8 +66,8 @@ from torch import Tensor
 from lifecycle import (TORCH_API, Interrupted, StopSignal, check_torch_install, device_notes, end_distributed,
                        is_collective_failure, keep_freed_host_memory)
 from checkpoints import (Checkpoints, FiniteWatch, FlatShard, check_same_tensors, choose_checkpoint,
-                         claim_run_folder, clean_stale_staging, local_part, lock_run_log, read_checkpoint_meta, segment,
-                         training_state)
+                         claim_run_folder, clean_stale_staging, dcp, local_part, lock_run_log, read_checkpoint_meta,
+                         segment, training_state)
 from runlog import (ENERGY_PHASES, Clock, EnergyMeter, Metrics, RecompileWatch, RunFolder, RunLog,
                     device_name, energy_line, environment_lines, git_commit, git_dirty, make_profiler, peak_memory_mib,
                     peak_tflops, progress_bar, progress_line, report_card, sources_sha256,
@@ -782,6 +782,7 @@ def join_process_group(args: Hyperparameters) -> Place:
     else:
         device = torch.device("cpu")
     if world_size > 1:
+        dcp()  # imported after the group forms, torch's sharded-tensor modules hold it past destroy_process_group
         dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo",
                                 timeout=timedelta(seconds=args.collective_timeout_s),
                                 device_id=device if device.type == "cuda" else None)
