@@ -26,14 +26,18 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch import Tensor
-from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor, Shard
 
 from flags import RunFailed, UsageError
 from runlog import RunFolder, RunLog, end_torn_line
+
+
+def dcp():
+    """torch.distributed.checkpoint, imported when a checkpoint is first written or read (a multi-rank run: before
+    its process group forms): with DTensor it takes about as long to import as torch itself, which --help, flag
+    errors and the start-up checks never pay."""
+    import torch.distributed.checkpoint
+    return torch.distributed.checkpoint
 
 # `place` below is train_gpt.py's Place (or Runtime): this process's rank, world_size and device.
 
@@ -113,6 +117,8 @@ def as_dcp_state(state: TrainingState, place) -> dict[str, Tensor]:
     ranks, so that DCP records which piece of the flat tensor it is and re-cuts it for any world size."""
     if place.world_size == 1:
         return {name: local_part(t) for name, t in state.tensors.items()}
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
     mesh = init_device_mesh(place.device.type, (place.world_size,))  # not cached: a mesh holds the process group
     return {name: DTensor.from_local(t.local, mesh, [Shard(0)], run_check=False, shape=(t.numel,), stride=(1,))
             if isinstance(t, FlatShard) else t for name, t in state.tensors.items()}
@@ -188,7 +194,7 @@ def gather_objects(obj, place) -> list:
 def write_failure(e: BaseException) -> str:
     """One line for a failed write: DCP wraps each rank's error, and torch.save reports a full disk as a
     RuntimeError without errno."""
-    if isinstance(e, CheckpointException) and e.failures:
+    if isinstance(e, dcp().api.CheckpointException) and e.failures:
         return write_failure(next(iter(e.failures.values()))[0])
     if isinstance(e, OSError) and e.strerror:
         return e.strerror
@@ -239,9 +245,9 @@ class Checkpoints:
         error, records = "", {}
         try:
             staging.mkdir(parents=True, exist_ok=True)
-            dcp_call(dcp.save, as_dcp_state(state, place), staging, place.world_size)
+            dcp_call(dcp().save, as_dcp_state(state, place), staging, place.world_size)
             records = {f.name: file_record(f) for f in files_written_by(staging, place.rank)}
-        except (OSError, RuntimeError, CheckpointException) as e:
+        except (OSError, RuntimeError, dcp().api.CheckpointException) as e:
             error = write_failure(e)
         if ranks_agree(not error, place):
             files = {name: rec for per_rank in gather_objects(records, place) for name, rec in per_rank.items()}
@@ -277,8 +283,8 @@ class Checkpoints:
         if meta["source_sha256"] != self.record["source_sha256"]:
             self.log.write(f"warning: the trainer's source changed since checkpoint {path} was written")
         try:
-            dcp_call(dcp.load, as_dcp_state(state, self.place), path, self.place.world_size)
-        except (OSError, RuntimeError, ValueError, CheckpointException) as e:
+            dcp_call(dcp().load, as_dcp_state(state, self.place), path, self.place.world_size)
+        except (OSError, RuntimeError, ValueError, dcp().api.CheckpointException) as e:
             raise UsageError(f"checkpoint {path} is unreadable ({write_failure(e)}); it is truncated or corrupt: "
                              "resume from an earlier checkpoint") from None
         self.resumed_from = path
@@ -454,7 +460,7 @@ def check_same_tensors(path: Path, state: TrainingState, place, structure: dict[
     off, say), naming the first difference and those of the `structure` hyperparameters (the model's and the
     optimizers' layout: name -> this run's value) that differ, rather than calling a healthy checkpoint corrupt
     when DCP misses a key. Each rank holds the Muon state of its own matrices only."""
-    stored = set(dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata)
+    stored = set(dcp().FileSystemReader(str(path)).read_metadata().state_dict_metadata)
     live = set(as_dcp_state(state, place))
     lacking = sorted(live - stored)
     extra = sorted(name for name in stored - live if not name.startswith(OWNER_ONLY_PREFIXES))
@@ -485,11 +491,12 @@ def read_checkpoint_tensors(path: Path, prefix: str = "model/") -> dict[str, Ten
     model/ for the weights (tools/: sampling, export), adam/ or muon/ for the optimizer state."""
     verified_checkpoint_meta(path)
     try:
-        stored = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+        stored = dcp().FileSystemReader(str(path)).read_metadata().state_dict_metadata
         tensors = {name: torch.empty(tuple(m.size), dtype=m.properties.dtype) for name, m in stored.items()
                    if name.startswith(prefix)}
-        dcp_call(dcp.load, tensors, path, 1)
-    except (OSError, RuntimeError, ValueError, EOFError, pickle.UnpicklingError, CheckpointException) as e:
+        dcp_call(dcp().load, tensors, path, 1)
+    except (OSError, RuntimeError, ValueError, EOFError, pickle.UnpicklingError,
+            dcp().api.CheckpointException) as e:
         raise UsageError(f"checkpoint {path} is unreadable ({write_failure(e)}); it is truncated or corrupt: "
                          "use another step_N folder") from None
     return {name.removeprefix(prefix): t for name, t in tensors.items()}

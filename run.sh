@@ -23,8 +23,8 @@ if [ "$gpus" -gt 0 ]; then
     done
     set -- ${preset[@]+"${preset[@]}"} "$@"
     # tools/launch.py is torchrun whose Ctrl-C and SIGTERM end in one line and 128 + N, as the trainer's do
-    echo "run.sh: ${gpus} GPU(s) found: tools/launch.py --standalone --nproc_per_node=${gpus} train_gpt.py $*"
-    exec "$PYTHON" tools/launch.py --standalone --nproc_per_node="$gpus" train_gpt.py "$@"
+    echo "run.sh: ${gpus} GPU(s) found: python -m tools.launch --standalone --nproc_per_node=${gpus} train_gpt.py $*"
+    exec "$PYTHON" -m tools.launch --standalone --nproc_per_node="$gpus" train_gpt.py "$@"
 fi
 echo "run.sh: no GPU found: running the cpu preset in one process"
 exec "$PYTHON" train_gpt.py "$@"

@@ -42,46 +42,36 @@ from datetime import timedelta
 from fractions import Fraction
 from pathlib import Path
 
-
-def stopped_before_training(signum: int) -> str:
-    """The one line a signal ends a run with before its first training step."""
-    return (f"error: stopped by signal {signal.Signals(signum).name} before the first training step; nothing was "
-            "trained or saved: run again (or resume from the last checkpoint)")
-
-
-def exit_on_signal_while_importing(signum: int, frame) -> None:
-    """Ctrl-C or SIGTERM while numpy and torch import (seconds, before train() installs StopSignal)."""
-    print(stopped_before_training(signum), file=sys.stderr, flush=True)
-    os._exit(128 + signum)
-
+# flags.py imports no torch: its handler is in place before the seconds that numpy and torch take to import.
+from flags import (ANY_BOOL, ANY_TEXT, BETA, EXIT_OK, EXIT_PEER_LOST, EXIT_RUN_FAILED, EXIT_USAGE, LR,  # noqa: F401
+                   NON_EMPTY, OPTIONAL_BETA, PLAIN_NAME, UNIT, Rule, RunFailed, UsageError, as_flags,
+                   exit_on_signal_while_importing, field_types, flag, flag_text, help_lines, integer, number, one_of,
+                   parse_overrides, stopped_before_training)
 
 if __name__ == "__main__":  # a signal during the imports below ends in one line, not a 40-line traceback
     signal.signal(signal.SIGINT, exit_on_signal_while_importing)
     signal.signal(signal.SIGTERM, exit_on_signal_while_importing)
 
-import numpy as np  # noqa: E402
+import numpy as np
 
 # The 2025-01 record's allocator setting, before torch starts CUDA (a user's own setting wins): training
 # (48K tokens) and validation (262K) graphs alternate, and fixed-size segments would fragment between them.
 os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-import torch.nn as nn  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from torch import Tensor  # noqa: E402
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch import Tensor
 
-from lifecycle import (TORCH_API, Interrupted, StopSignal, check_torch_install, device_notes,  # noqa: E402
-                       end_distributed, is_collective_failure, keep_freed_host_memory)
-from checkpoints import (Checkpoints, FiniteWatch, FlatShard, check_same_tensors, choose_checkpoint,  # noqa: E402
-                         claim_run_folder, clean_stale_staging, gather_objects, local_part, lock_run_log,
+from lifecycle import (TORCH_API, Interrupted, StopSignal, check_torch_install, device_notes, end_distributed,
+                       is_collective_failure, keep_freed_host_memory)
+from checkpoints import (Checkpoints, FiniteWatch, FlatShard, check_same_tensors, choose_checkpoint,
+                         claim_run_folder, clean_stale_staging, dcp, gather_objects, local_part, lock_run_log,
                          read_checkpoint_meta, segment, training_state)
-from runlog import (ENERGY_PHASES, Clock, EnergyMeter, Metrics, RecompileWatch, RunFolder, RunLog,  # noqa: E402
+from runlog import (ENERGY_PHASES, Clock, EnergyMeter, Metrics, RecompileWatch, RunFolder, RunLog,
                     device_name, energy_line, environment_lines, git_commit, git_dirty, make_profiler, peak_memory_mib,
                     peak_tflops, progress_bar, progress_line, recorded_validations, report_card, run_curve,
                     sources_sha256, target_among, trainer_sources, write_header, write_report, write_summary)
-from flags import (ANY_BOOL, ANY_TEXT, BETA, EXIT_OK, EXIT_PEER_LOST, EXIT_RUN_FAILED, EXIT_USAGE, LR,  # noqa: E402,F401
-                   NON_EMPTY, OPTIONAL_BETA, PLAIN_NAME, UNIT, Rule, RunFailed, UsageError, as_flags, field_types, flag,
-                   flag_text, help_lines, integer, number, one_of, parse_overrides)
 
 REPO_DIR = Path(__file__).resolve().parent
 EOT_TOKEN = 50256  # <|endoftext|>: every document starts with it
@@ -792,6 +782,7 @@ def join_process_group(args: Hyperparameters) -> Place:
     else:
         device = torch.device("cpu")
     if world_size > 1:
+        dcp()  # imported after the group forms, torch's sharded-tensor modules hold it past destroy_process_group
         dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo",
                                 timeout=timedelta(seconds=args.collective_timeout_s),
                                 device_id=device if device.type == "cuda" else None)
@@ -903,8 +894,8 @@ def find_shards(pattern: str, what: str) -> list[Path]:
     if not matches and not os.path.isabs(pattern):
         matches = sorted(glob.glob(str(REPO_DIR / pattern)))
     if not matches:
-        hint = ("run `python data/cached_fineweb10B.py 9` to download them" if "fineweb" in pattern
-                else "make shards with `python data/fineweb.py --input ...` or pass --train_files/--val_files")
+        hint = ("run `python -m data.cached_fineweb10B 9` to download them" if "fineweb" in pattern
+                else "make shards with `python -m data.fineweb --input ...` or pass --train_files/--val_files")
         raise UsageError(f"no {what} shards match {pattern!r}; {hint}")
     return [Path(m) for m in matches]
 
@@ -1126,7 +1117,6 @@ class BandedMask:
     chunks: list[tuple[int, int, Tensor]]
 
 
-@torch.compiler.disable  # the band's width is read from a tensor: a compiled model calls this eagerly
 def banded_window_mask(tokens: Tensor, window_blocks: Tensor, chunk_keys: int = BAND_CHUNK_KEYS) -> BandedMask:
     """The band of each query block, masked by the same rule as the dense and Flex masks.
 
@@ -1218,6 +1208,11 @@ class BandedAttention:
     """Banded masks and scaled_dot_product_attention: CPU, and wherever FlexAttention is off."""
     build_mask = staticmethod(banded_window_mask)
     attend = staticmethod(banded_attention)
+
+    def __init__(self):
+        # The band's width is read from a tensor: a compiled model calls this eagerly. Wrapped per model, not at
+        # import: torch.compiler.disable imports dynamo, a second of start-up that --help and flag errors skip.
+        self.build_mask = torch.compiler.disable(banded_window_mask)
 
 
 class FlexAttention:

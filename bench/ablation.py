@@ -5,9 +5,9 @@ GPT-2-style AdamW baseline, all at the same token budget and over several seeds.
 `train_gpt.py` itself in a subprocess with `--name=value` overrides (each switch is one of its
 hyperparameters), so the benchmark measures exactly the trainer that ships.
 
-    python bench/ablation.py                                  # all variants, 2 seeds, 2 parallel jobs
-    python bench/ablation.py --variants=full,baseline --seeds=2 --num_iterations=10
-    python bench/ablation.py --resume-existing                # continue an interrupted benchmark
+    python -m bench.ablation                                  # all variants, 2 seeds, 2 parallel jobs
+    python -m bench.ablation --variants=full,baseline --seeds=2 --num_iterations=10
+    python -m bench.ablation --resume-existing                # continue an interrupted benchmark
 
 Writes to --out (default bench/results/):
     logs/<variant>_s<seed>.json   train_gpt.py's run summary (val_curve, tokens, train_time_ms, ...)
@@ -42,12 +42,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import train_gpt as T  # its TECHNIQUES name the v2 variants; its parser checks every override
+from flags import OneLineArgumentParser, integer, number, run_cli
+from records.read_records import mean_std  # one mean and sample std for every table here
+
 REPO = Path(__file__).resolve().parents[1]
 TRAINER = REPO / "train_gpt.py"
-sys.path.insert(0, str(REPO))
-from tools.cli import OneLineArgumentParser, integer, number, run_cli  # noqa: E402
-import train_gpt as T  # noqa: E402  (its TECHNIQUES name the v2 variants; its parser checks every override)
-from records.read_records import mean_std  # noqa: E402  (one mean and sample std for every table here)
 
 # name -> train_gpt.py overrides. Order is the table's order.
 VARIANTS: dict[str, list[str]] = {
@@ -465,7 +465,7 @@ def parse_cli(argv: list[str]) -> argparse.Namespace:
                    help=f"held-out validation tokens, a multiple of {VAL_SEQ_LEN} ({DEFAULT_VAL_TOKENS})")
     p.add_argument("--suite", default="reference", choices=list(SUITES),
                    help="reference: the 2025-01-26 techniques; v2_part1: recipe v2's optimizer half")
-    from tools.cli import comma_list, output_folder
+    from flags import comma_list, output_folder
     p.add_argument("--variants", type=comma_list(items="variant names"), default=None,
                    help="comma-separated subset of the suite's variants (all)")
     p.add_argument("--jobs", type=integer(1), default=2, help="parallel runs; each gets OMP_NUM_THREADS = cores // jobs")

@@ -1,7 +1,7 @@
 """Memory of one attention call at the speedrun shape: dense mask (computed) vs banded (measured on CPU).
 
-    python bench/attention_memory.py                       # 48K tokens, 1,792-token window, 6 heads x 128
-    python bench/attention_memory.py --seq_len=8192 --window_tokens=1024
+    python -m bench.attention_memory                       # 48K tokens, 1,792-token window, 6 heads x 128
+    python -m bench.attention_memory --seq_len=8192 --window_tokens=1024
 
 The dense numbers are arithmetic: the (T, T) boolean mask, the additive bf16 mask SDPA turns it into,
 and the fp32 attention weights SDPA's math backend holds per head. The banded number is measured:
@@ -15,13 +15,11 @@ from __future__ import annotations
 import resource
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tools.cli import OneLineArgumentParser, integer, run_cli  # noqa: E402
-import torch  # noqa: E402
+import torch
 
-import train_gpt as T  # noqa: E402
+import train_gpt as T
+from flags import OneLineArgumentParser, integer, run_cli
 
 GIB = 2 ** 30
 

@@ -1,6 +1,6 @@
 """How much of train_gpt.py is the speedrun's math, section by section (no torch needed).
 
-    python bench/code_share.py
+    python -m bench.code_share
 
 Counted: the lines of every top-level definition (function, class, or assignment such as a table), from its
 first line (decorators included) to its last, without blank lines and lines that hold only a comment; code

@@ -2,8 +2,8 @@
 launched pinned to one core so that gloo's worker threads are starved and late, counting the runs whose
 ranks were killed at exit (a signal exit status, or "terminate called" in the output).
 
-    python bench/exit_stress.py --runs=200                 # 2 runs at a time, one pinned to each of cores 0, 1
-    python bench/exit_stress.py --runs=50 --jobs=1 --cores=0
+    python -m bench.exit_stress --runs=200                 # 2 runs at a time, one pinned to each of cores 0, 1
+    python -m bench.exit_stress --runs=50 --jobs=1 --cores=0
 
 The abort it counts: a gloo thread still alive when the interpreter finalizes can take the GIL inside a C++
 destructor, and the unwind through a noexcept destructor calls std::terminate (pytorch/pytorch#190489).
@@ -24,9 +24,10 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from flags import OneLineArgumentParser, integer, run_cli
+
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-from tools.cli import OneLineArgumentParser, integer, run_cli  # noqa: E402
+
 TINY_RUN = ["--preset=cpu", "--n_layer=2", "--model_dim=64", "--n_head=2", "--head_dim=32", "--seq_len=256",
             "--batch_tokens=512", "--val_seq_len=256", "--val_tokens=512", "--num_iterations=4", "--val_every=0",
             "--warmup_steps=0", "--compile=off", "--checkpoint_every=2", "--checkpoint_keep=1",
@@ -56,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = OneLineArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", type=integer(1), default=200, help="tiny 2-rank runs in all (default 200)")
     parser.add_argument("--jobs", type=integer(1), default=2, help="runs at a time, each pinned to its own core (default 2)")
-    from tools.cli import comma_list
+    from flags import comma_list
     parser.add_argument("--cores", type=comma_list(integer(0), items="core numbers"), default="0,1",
                         help="the cores to pin runs to, comma-separated (default 0,1)")
     parser.add_argument("--timeout", type=integer(1), default=300, help="seconds before a run counts as failed")

@@ -1,14 +1,14 @@
 """One command to check train_gpt.py's GPU paths on a machine with NVIDIA GPUs (no network needed).
 
-    python bench/gpu_check.py            # all checks, capped to fit 7 minutes on one H100/H200 (cold compiles)
-    python bench/gpu_check.py --plan     # each part, its time share and how it was sized (no GPU, no torch needed)
-    python bench/gpu_check.py --quick    # skip (e), the timed speedrun-preset run
-    python bench/gpu_check.py --only=speedrun            # rerun one part (its own results file)
-    python bench/gpu_check.py --recipe=v2 --skip-tests   # (e) with recipe v2 (batch stages, model techniques)
-    python bench/gpu_check.py --resume-drill-on-cpu      # (d)'s command lines, run on CPU with gloo (no GPU)
+    python -m bench.gpu_check            # all checks, capped to fit 7 minutes on one H100/H200 (cold compiles)
+    python -m bench.gpu_check --plan     # each part, its time share and how it was sized (no GPU, no torch needed)
+    python -m bench.gpu_check --quick    # skip (e), the timed speedrun-preset run
+    python -m bench.gpu_check --only=speedrun            # rerun one part (its own results file)
+    python -m bench.gpu_check --recipe=v2 --skip-tests   # (e) with recipe v2 (batch stages, model techniques)
+    python -m bench.gpu_check --resume-drill-on-cpu      # (d)'s command lines, run on CPU with gloo (no GPU)
 
 What it does, in order, each part in its own process with its share of the time (BUDGET_S below) as timeout:
-  (a) the GPU tests under tests/ (`pytest tests -m gpu`; pytest.ini registers the marker), less the 48K-token
+  (a) the GPU tests under tests/ (`pytest tests -m gpu`; pyproject.toml registers the marker), less the 48K-token
       compiled step when (e) runs (it compiles and trains that model with the record's settings); without
       pytest (requirements-extras.txt) the row says so and the other parts run;
   (b) the FP8 head (only with compute capability >= 8.9): train_gpt.fp8_matmul vs a bf16 matmul, forward
@@ -55,9 +55,10 @@ import tempfile
 import time
 from pathlib import Path
 
+from flags import OneLineArgumentParser, integer, number, run_cli
+
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-from tools.cli import OneLineArgumentParser, integer, number, run_cli  # noqa: E402
+
 GLOBAL_BATCH = 8 * 48 * 1024  # the speedrun preset's tokens per optimizer step
 SEQUENCES_PER_STEP = 8  # 48K-token sequences per step: the world size must divide it
 VAL_SEQ_LEN = 4 * 64 * 1024  # the speedrun preset's val_seq_len (the record's)
@@ -180,7 +181,7 @@ def pytest_counts(output: str) -> str:
 
 
 def check_tests(timeout: float, tmp: Path, deselect: tuple[str, ...] = ()) -> list[Row]:
-    """The tests marked `gpu` (pytest.ini registers the marker), less those deselected; they skip themselves without
+    """The tests marked `gpu` (pyproject.toml registers the marker), less those deselected; they skip themselves without
     CUDA. pytest is an extra (requirements-extras.txt), which a GPU machine's image may not have."""
     import importlib.util
     if importlib.util.find_spec("pytest") is None:
@@ -358,7 +359,7 @@ def part_main(part: str) -> int:
 
 
 def check_part(part: str, timeout: float, tmp: Path) -> list[Row]:
-    rc, out = run_child([sys.executable, str(Path(__file__).resolve()), f"--part={part}"], timeout,
+    rc, out = run_child([sys.executable, "-m", "bench.gpu_check", f"--part={part}"], timeout,
                         tmp / f"{part}.txt")
     lines = [line for line in out.splitlines() if line.startswith(ROWS_PREFIX)]
     if lines:
@@ -587,7 +588,7 @@ OUT_FIX = "pass --out=FILE.json in a folder you can write"
 
 
 def write_json(out: Path, rows: list, details: dict) -> None:
-    from tools.cli import write_user_file
+    from flags import write_user_file
     path = results_path(out, rows)
     write_user_file(path, json.dumps({"table": [dict(check=c, result=r, time=t, numbers=n) for c, r, t, n in rows],
                                       **details}, indent=1), "--out", OUT_FIX + " (the table is above)")
@@ -695,7 +696,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.time()
     a.budget_s = default_budget(a.only) if a.budget_s is None else a.budget_s
     a.out = default_out(a.only, a.resume_drill_on_cpu) if a.out is None else a.out
-    from tools.cli import output_file
+    from flags import output_file
     output_file(a.out, "--out", OUT_FIX)  # now, not after the checks' minutes of GPU time
     scale = min(1.0, a.budget_s / sum(BUDGET_S[p] for p in a.only or BUDGET_S))
     shares = {part: s * scale for part, s in BUDGET_S.items()}

@@ -3,8 +3,8 @@
 Writes a synthetic shard (data/shardio.py's format) of documents to a temporary folder and times
 the loader at the speedrun shape (48K-token sequences, 8 micro-batches per step) on CPU tensors:
 
-    python bench/loader_throughput.py                 # 4M tokens, 8 steps
-    python bench/loader_throughput.py --tokens=20000000 --steps=40
+    python -m bench.loader_throughput                 # 4M tokens, 8 steps
+    python -m bench.loader_throughput --tokens=20000000 --steps=40
 
 Prints one line: tokens/s, tokens and seconds. A number for benchmarks and closing notes, not a test.
 """
@@ -19,11 +19,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
+import train_gpt as T
+from data import shardio
+from flags import OneLineArgumentParser, integer, run_cli
+
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-from tools.cli import OneLineArgumentParser, integer, run_cli  # noqa: E402
-import train_gpt as T  # noqa: E402
-from data import shardio  # noqa: E402
 
 
 def synthetic_documents(n: int, seed: int = 1, mean_doc: int = 40) -> np.ndarray:

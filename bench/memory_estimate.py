@@ -1,8 +1,8 @@
 """Predicted peak GPU memory per rank of the speedrun's training step and validation, computed on CPU.
 
-    python bench/memory_estimate.py                            # reference and v2, 1 and 8 GPUs (~2 min, 2 cores)
-    python bench/memory_estimate.py --recipes=v2 --gpus=8
-    python bench/memory_estimate.py --recipes=reference -- --seq_len=24576   # train_gpt.py flags after --
+    python -m bench.memory_estimate                            # reference and v2, 1 and 8 GPUs (~2 min, 2 cores)
+    python -m bench.memory_estimate --recipes=v2 --gpus=8
+    python -m bench.memory_estimate --recipes=reference -- --seq_len=24576   # train_gpt.py flags after --
 
 What it measures. train_gpt.py's own model, optimizers and step, at the real shapes of --preset=speedrun
 (training: seq_len tokens per micro-step; validation: one val_seq_len sequence), on fake tensors
@@ -51,19 +51,17 @@ import sys
 import time
 import types
 from collections import Counter
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-import torch.nn as nn  # noqa: E402
-from torch.fx.node import map_arg  # noqa: E402
-from torch.multiprocessing.reductions import StorageWeakRef  # noqa: E402
-from torch.utils import _pytree as pytree  # noqa: E402
-from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.fx.node import map_arg
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
-import train_gpt as T  # noqa: E402
-from tools.cli import OneLineArgumentParser, number, run_cli  # noqa: E402
+import train_gpt as T
+from flags import OneLineArgumentParser, number, run_cli
 
 GIB = 2 ** 30
 H100_GIB = 81559 / 1024  # nvidia-smi's total for an H100 80GB (SXM): 81,559 MiB
@@ -457,7 +455,7 @@ def main(argv: list[str] | None = None) -> int:
                               formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="speedrun", choices=["speedrun", "medium"],
                    help="train_gpt.py's preset whose shapes are measured (default speedrun)")
-    from tools.cli import comma_list, integer
+    from flags import comma_list, integer
     p.add_argument("--recipes", type=comma_list(choices=tuple(T.RECIPES)), default="reference,v2",
                    help="comma-separated train_gpt.py recipes (reference,v2)")
     p.add_argument("--gpus", type=comma_list(integer(1), items="world sizes"), default="1,8",
@@ -526,4 +524,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(run_cli(main, usage_errors=(T.UsageError,)))
+    sys.exit(run_cli(main))

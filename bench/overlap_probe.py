@@ -1,6 +1,6 @@
 """When do post-accumulate-grad hooks fire: during backward (eager) or in one burst after it (compiled)?
 
-    python bench/overlap_probe.py            # cpu-preset-sized model, one backward each way
+    python -m bench.overlap_probe            # cpu-preset-sized model, one backward each way
 
 GradientSync launches a bucket's reduce-scatter from these hooks, so their timing decides whether
 communication can overlap backward compute. For each mode it runs one forward+backward of the model
@@ -15,12 +15,10 @@ from __future__ import annotations
 
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import torch  # noqa: E402
+import torch
 
-import train_gpt as T  # noqa: E402
+import train_gpt as T
 
 
 def hook_timing(compiled: bool) -> tuple[float, float, int]:

@@ -1,8 +1,8 @@
 """What each recipe-v2 technique costs in speed: time per training step of every ablation variant, in one
 process, one after another, on the same 4,096-token batches of the bundled sample.
 
-    python bench/step_cost.py                        # the v2 suite's variants, 3 timed steps each, 1 thread
-    python bench/step_cost.py --suite=v2_part1 --steps=5 --threads=2
+    python -m bench.step_cost                        # the v2 suite's variants, 3 timed steps each, 1 thread
+    python -m bench.step_cost --suite=v2_part1 --steps=5 --threads=2
 
 Each variant is built as train_gpt.py builds it (build_model on the runtime setup_runtime picks, then
 build_optimizers) from the ablation suite's overrides, with one 4,096-token batch per step for every variant
@@ -21,12 +21,11 @@ from pathlib import Path
 
 import torch
 
+import train_gpt as T
+from bench import ablation
+from flags import OneLineArgumentParser, integer, run_cli
+
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "bench"))
-from tools.cli import OneLineArgumentParser, integer, run_cli  # noqa: E402
-import ablation  # noqa: E402
-import train_gpt as T  # noqa: E402
 
 STEP_TOKENS = 4096  # the cpu ablation's full batch: 4 sequences of 1,024
 
@@ -61,7 +60,7 @@ def time_variant(overrides: list[str], steps: int) -> tuple[float, float]:
 def main(argv: list[str] | None = None) -> int:
     p = OneLineArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--suite", default="v2", choices=list(ablation.SUITES), help="whose variants to time (v2)")
-    from tools.cli import comma_list
+    from flags import comma_list
     p.add_argument("--variants", type=comma_list(items="variant names"), default=None,
                    help="comma-separated subset (all of the suite's)")
     p.add_argument("--steps", type=integer(1), default=3, help="timed steps per variant, after one untimed (3)")

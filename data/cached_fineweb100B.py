@@ -1,6 +1,6 @@
 """Download the fineweb100B GPT-2 shards from the Hugging Face Hub into data/fineweb100B/.
 
-    python data/cached_fineweb100B.py [N] [--local_dir DIR] [--workers W] [--revision REV] [--verify]
+    python -m data.cached_fineweb100B [N] [--local_dir DIR] [--workers W] [--revision REV] [--verify]
 
 N is the number of train shards (100M tokens each) after the val shard; see
 data/hub_shards.py for what is checked and data/README.md for the options.
@@ -8,7 +8,7 @@ data/hub_shards.py for what is checked and data/README.md for the options.
 
 import sys
 
-from hub_shards import main
+from data.hub_shards import main
 
 if __name__ == "__main__":
     sys.exit(main("fineweb100B"))

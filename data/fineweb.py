@@ -1,7 +1,7 @@
 """Tokenize FineWeb, or local text files, into GPT-2 token shards.
 
-    python data/fineweb.py --version 10B              # FineWeb sample-10BT -> data/fineweb10B/
-    python data/fineweb.py --input a.txt b.jsonl --name mine --output_dir out/
+    python -m data.fineweb --version 10B              # FineWeb sample-10BT -> data/fineweb10B/
+    python -m data.fineweb --input a.txt b.jsonl --name mine --output_dir out/
 
 Every document becomes <|endoftext|> (50256) followed by its GPT-2 tokens
 (tiktoken "gpt2", encode_ordinary: special-token text inside a document is
@@ -38,8 +38,8 @@ from typing import Iterable, Iterator
 
 import numpy as np
 
-import shardio
-from tools.cli import OneLineArgumentParser, UsageError, integer, one_line, run_cli  # shardio puts the repository root on sys.path
+from data import shardio
+from flags import OneLineArgumentParser, UsageError, integer, one_line, run_cli
 
 DATA_DIR = Path(__file__).resolve().parent
 DEFAULT_SHARD_SIZE = 100_000_000
@@ -360,7 +360,7 @@ def run(argv: list[str] | None = None) -> int:
         out_dir = args.output_dir or DATA_DIR / folder
         docs = docs_from_fineweb(args.version, args.streaming)
     else:
-        from tools.cli import user_file
+        from flags import user_file
         for path in args.input:
             user_file(path, "--input", "pass .txt, .jsonl or .parquet files")
             if input_format(path) == "parquet":
@@ -373,7 +373,7 @@ def run(argv: list[str] | None = None) -> int:
     if old and not args.overwrite:
         raise UsageError(f"{out_dir} already holds {len(old)} shard(s) named {name}_*; pass --overwrite to replace them")
     created = [folder for folder in (out_dir, *out_dir.parents) if not folder.exists()]  # deepest first
-    from tools.cli import output_folder
+    from flags import output_folder
     output_folder(out_dir, "--output_dir", "pass a folder you can write (made if missing)")
 
     from tqdm import tqdm

@@ -31,8 +31,8 @@ from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 
-import shardio
-from tools.cli import OneLineArgumentParser, UsageError, integer, one_line, run_cli  # shardio puts the repository root on sys.path
+from data import shardio
+from flags import OneLineArgumentParser, UsageError, integer, one_line, run_cli
 
 DATA_DIR = Path(__file__).resolve().parent
 DEFAULT_TRAIN_SHARDS = 8  # 800M tokens; one speedrun (1770 steps x 393,216 tokens) reads fewer than 9 shards
@@ -251,7 +251,7 @@ def run(key: str, argv: list[str] | None = None) -> int:
     hub = _import_hub()
     from tqdm import tqdm
 
-    from tools.cli import output_folder
+    from flags import output_folder
     output_folder(local_dir, "--local_dir", "pass a folder you can write (made if missing)")
 
     names = shard_names(ds, args.num_train)

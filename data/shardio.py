@@ -15,14 +15,12 @@ from __future__ import annotations
 
 import hashlib
 import os
-import sys
 import uuid
 from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root
-from tools.cli import UsageError  # noqa: E402  (the user-error type of the programs without torch)
+from flags import UsageError  # torch-free: the user-error type of every program here
 
 MAGIC = 20240520
 VERSION = 1

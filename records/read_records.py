@@ -2,7 +2,7 @@
 """Read GPT-2 speedrun training logs, tabulate the runs and test a record claim.
 
 Usage:
-    python records/read_records.py PATH [PATH ...] [options]
+    python -m records.read_records PATH [PATH ...] [options]
 
 PATH is a log file or a folder; folders are searched recursively for *.txt
 and *.json files. Two kinds of log are understood:
@@ -48,9 +48,9 @@ scipy (p-values) and matplotlib (plots) are optional extras:
     pip install -r requirements-extras.txt
 
 Examples:
-    python records/read_records.py logs/
-    python records/read_records.py logs/ --group-by preset --plot plots/
-    python records/read_records.py records/2025-01-01_cpu/ --json
+    python -m records.read_records logs/
+    python -m records.read_records logs/ --group-by preset --plot plots/
+    python -m records.read_records records/2025-01-01_cpu/ --json
 """
 
 from __future__ import annotations
@@ -66,9 +66,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root
-# no torch: this reader runs on any laptop
-from tools.cli import OneLineArgumentParser, UsageError, number, one_line, run_cli  # noqa: E402
+from flags import OneLineArgumentParser, UsageError, number, one_line, run_cli  # torch-free: runs on any laptop
 
 # The run log's progress lines, as train_gpt.py's progress_line() writes them: the one reader (bench/ and the
 # tests use it too). The units are those of the trainer's PROGRESS_FIELDS (tests/test_records.py holds the two
@@ -567,7 +565,7 @@ def find_files(paths: list[str], skipped: list[tuple[str, str]]) -> list[Path]:
 
 def not_a_log_path(path: Path) -> str:
     """Why a command-line path that is neither a file nor a folder is skipped (a FIFO would block the reader)."""
-    from tools.cli import missing, what_is_there
+    from flags import missing, what_is_there
     try:
         return f"it is {what_is_there(path)}, not a log file or a folder of them"
     except (FileNotFoundError, NotADirectoryError):
@@ -966,7 +964,7 @@ def prepare_plot_folder(outdir: str) -> None:
     write (a user's file is never replaced)."""
     folder = Path(outdir)
     if folder.exists() and not folder.is_dir():
-        from tools.cli import what_is_there
+        from flags import what_is_there
         raise UsageError(f"--plot {outdir} is {what_is_there(folder) or 'a file'}, not a folder; pass a folder (it is "
                          "made if missing)")
     try:

@@ -2,7 +2,7 @@
 """Rebuild a run from its log alone: the trainer's sources it embeds, and the command that trains it again.
 
 Usage:
-    python records/rebuild_run.py LOG OUT_DIR
+    python -m records.rebuild_run LOG OUT_DIR
 
 A log that train_gpt.py wrote embeds its own source and that of every sibling module it imported
 (checkpoints.py, runlog.py, ...), then every resolved hyperparameter. This writes each source into OUT_DIR
@@ -19,11 +19,8 @@ import shlex
 import sys
 from pathlib import Path
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from records.read_records import hyperparameter_blocks, log_sources  # noqa: E402  (the run log's one reader)
-from tools.cli import OneLineArgumentParser, UsageError, run_cli  # noqa: E402
+from flags import OneLineArgumentParser, UsageError, run_cli
+from records.read_records import hyperparameter_blocks, log_sources  # the run log's one reader
 
 
 def logged_hyperparameters(lines: list[str]) -> dict[str, str]:
@@ -41,13 +38,13 @@ def as_flag(name: str, text: str) -> str:
 
 def rebuild(log: Path, out_dir: Path) -> tuple[list[str], list[str]]:
     """Writes the log's sources into out_dir; returns the command that reruns the run and the files written."""
-    from tools.cli import read_user_file, write_user_file
+    from flags import read_user_file, write_user_file
     text = read_user_file(log, "the log", "pass a <run_id>.txt that train_gpt.py wrote")
     sources, rest = log_sources(text)
     if "train_gpt.py" not in sources:
         raise UsageError(f"{log} embeds no train_gpt.py source: not a run log of this project's trainer")
     values = logged_hyperparameters(rest)
-    from tools.cli import output_folder
+    from flags import output_folder
     output_folder(out_dir, "OUT_DIR", "pass an empty or new folder you can write")
     taken = [name for name in sources if os.path.lexists(out_dir / name)]
     if taken:

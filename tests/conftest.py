@@ -12,9 +12,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from records.read_records import parse_progress_line  # the run log's one reader
+
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-from records.read_records import parse_progress_line  # noqa: E402  (the run log's one reader)
+# pyproject.toml's pythonpath for pytest (the project root, tests/), for the scripts tests start in subprocesses:
+# rank_driver.py and the tests' own drivers import the trainer and rank_driver from there.
+IMPORT_ENV = {"PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")])}
 
 # The offline GPT-2 vocabulary: where .ci/run points TIKTOKEN_CACHE_DIR, else shared/ beside the checkout.
 TIKTOKEN_CACHE = Path(os.environ.get("TIKTOKEN_CACHE_DIR") or REPO.parent / "shared" / "data" / "gpt2" / "tiktoken_cache")
@@ -51,25 +54,25 @@ def run_trainer(args, log_dir, nproc=None, driver=None, timeout=300, env=None):
     script = str(driver or (REPO / "train_gpt.py" if nproc is None else RANK_DRIVER))
     cmd = [sys.executable, script] if nproc is None else [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", script]
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **IMPORT_ENV, **(env or {})}
     return subprocess.run(cmd + list(args) + [f"--log_dir={log_dir}"], cwd=REPO, capture_output=True, text=True,
                           timeout=timeout, env=full_env)
 
 
 def tool(name, *args, env=None):
-    """Runs tools/<name>.py with these arguments in a subprocess (one thread, as run_trainer does)."""
-    return subprocess.run([sys.executable, str(REPO / "tools" / f"{name}.py"), *map(str, args)], cwd=REPO,
+    """Runs `python -m tools.<name>` with these arguments in a subprocess (one thread, as run_trainer does)."""
+    return subprocess.run([sys.executable, "-m", f"tools.{name}", *map(str, args)], cwd=REPO,
                           capture_output=True, text=True, timeout=300,
                           env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
 
 
 def tool_in_process(name, *args, env=None):
-    """tools/<name>.py in this process as `python tools/<name>.py args` runs it (run_tool(main): its exit status,
+    """tools/<name>.py in this process as `python -m tools.<name> args` runs it (run_cli(main): its exit status,
     its one error line), with env added to the environment: what tool() returns, without an interpreter and a
     torch import to pay for. Not for a tokenizer that must fail to load: tiktoken keeps what it loaded."""
     import importlib
     from unittest import mock
-    from tools.loading import run_tool
+    from flags import run_cli
     program = importlib.import_module(f"tools.{name}")
     argv = [str(arg) for arg in args]
     out, err = io.StringIO(), io.StringIO()
@@ -79,7 +82,7 @@ def tool_in_process(name, *args, env=None):
         with mock.patch.dict(os.environ, env or {}), mock.patch.object(sys, "argv", [str(REPO / "tools" / f"{name}.py"),
                                                                                     *argv]), \
                 contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            status = run_tool(lambda: program.main(argv))
+            status = run_cli(lambda: program.main(argv))
     finally:
         torch.set_num_threads(threads)
     return subprocess.CompletedProcess(argv, status, out.getvalue(), err.getvalue())
@@ -122,7 +125,7 @@ def start_two_ranks_until_step_3(args, log):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            str(RANK_DRIVER)] + list(args)
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+                            env={**os.environ, "OMP_NUM_THREADS": "1", **IMPORT_ENV})
     deadline = time.time() + 120
     while time.time() < deadline and not (log.exists() and "step:3/" in log.read_text()):
         time.sleep(0.2)

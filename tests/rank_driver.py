@@ -5,8 +5,7 @@ with exit status LEFT_BEHIND and a line naming what was left."""
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import train_gpt as T  # noqa: E402
+import train_gpt as T
 
 LEFT_BEHIND = 86
 REPORT = "left behind after main(): "

@@ -12,14 +12,12 @@ import numpy as np
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "bench"))
-sys.path.insert(0, str(REPO))
+import flags
+import train_gpt as T
+from bench import ablation as A
+from bench import gpu_check as G
 
-import ablation as A  # noqa: E402
-import gpu_check as G  # noqa: E402
-import train_gpt as T  # noqa: E402
-from tools import cli  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 
 def summary(variant, seed, losses, val_every=3, batch=2048, train_time_ms=10_000.0, hyperparameters=None):
@@ -187,13 +185,13 @@ def test_default_budget_is_big_enough_to_judge_a_technique():
 
 
 def test_cli_refuses_unknown_variants_and_bad_val_tokens():
-    with pytest.raises(cli.UsageError):
+    with pytest.raises(flags.UsageError):
         A.parse_cli(["--variants=full,no_such"])
-    with pytest.raises(cli.UsageError):
+    with pytest.raises(flags.UsageError):
         A.parse_cli(["--val_tokens=3000"])
-    with pytest.raises(cli.UsageError):  # more than the held-out shard holds
+    with pytest.raises(flags.UsageError):  # more than the held-out shard holds
         A.parse_cli([f"--val_tokens={A.SAMPLE_VAL_TOKENS + 2048}"])
-    with pytest.raises(cli.UsageError):
+    with pytest.raises(flags.UsageError):
         A.parse_cli(["--batch_tokens=1000"])
     assert A.parse_cli(["--variants=full, baseline"]).variants == ["full", "baseline"]
 
@@ -232,7 +230,7 @@ def test_resume_existing_ignores_summaries_of_other_settings(tmp_path):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU machine gpu_check.py runs the real checks")
 def test_gpu_check_without_a_gpu_reports_skips_and_exits_0(tmp_path):
     out = tmp_path / "gpu_check.json"
-    proc = subprocess.run([sys.executable, str(REPO / "bench" / "gpu_check.py"), f"--out={out}"],
+    proc = subprocess.run([sys.executable, "-m", "bench.gpu_check", f"--out={out}"],
                           capture_output=True, text=True, timeout=120, cwd=REPO)
     assert proc.returncode == 0, proc.stderr
     assert "nothing GPU-specific can run" in proc.stdout and f"torch {torch.__version__}" in proc.stdout
@@ -253,7 +251,7 @@ def test_gpu_check_in_which_nothing_ran_keeps_an_earlier_result_and_writes_besid
     real = json.dumps({"table": [{"check": G.SPEEDRUN_ROW, "result": "ok", "time": "201s of 260s",
                                   "numbers": "1043.2 ms/step"}], "budget_s": 405})
     out.write_text(real)
-    proc = subprocess.run([sys.executable, str(REPO / "bench" / "gpu_check.py"), "--quick", f"--out={out}"],
+    proc = subprocess.run([sys.executable, "-m", "bench.gpu_check", "--quick", f"--out={out}"],
                           capture_output=True, text=True, timeout=120, cwd=REPO)
     assert proc.returncode == 0, proc.stderr
     beside = tmp_path / "gpu_check.nothing_ran.json"
@@ -268,9 +266,8 @@ def test_gpu_check_in_which_nothing_ran_keeps_an_earlier_result_and_writes_besid
 @pytest.mark.torch_range
 def test_gpu_check_plan_fits_one_loan_and_says_how_each_share_was_sized():
     """--plan without a GPU (and without torch): every part with its share and its basis, the total <= 420 s."""
-    program = str(REPO / "bench" / "gpu_check.py")
     proc = subprocess.run([sys.executable, "-c", "import sys, runpy; sys.modules['torch'] = None; sys.argv = "
-                           f"['gpu_check.py', '--plan']; runpy.run_path({program!r}, run_name='__main__')"],
+                           "['gpu_check.py', '--plan']; runpy.run_module('bench.gpu_check', run_name='__main__')"],
                           capture_output=True, text=True, timeout=60, cwd=REPO)
     assert proc.returncode == 0, proc.stderr
     shares = dict(re.findall(r"^  \([a-e]\) (\w+) +(\d+) s  (?:estimated|measured on CPU): ", proc.stdout, re.M))
@@ -281,7 +278,7 @@ def test_gpu_check_plan_fits_one_loan_and_says_how_each_share_was_sized():
 
 @pytest.mark.torch_range
 def test_gpu_check_needs_nothing_the_gpu_machines_torch_lacks(tmp_path, monkeypatch):
-    """The GPU machine has its own torch and no network: gpu_check.py imports the standard library and tools/cli.py
+    """The GPU machine has its own torch and no network: gpu_check.py imports the standard library and flags.py
     at the top, torch, numpy and this repository inside its parts, and says so when pytest (an extra) is missing."""
     import ast
     import importlib.util
@@ -289,12 +286,11 @@ def test_gpu_check_needs_nothing_the_gpu_machines_torch_lacks(tmp_path, monkeypa
     def roots(nodes):
         return {(a.name if isinstance(n, ast.Import) else n.module).split(".")[0]
                 for n in nodes if isinstance(n, (ast.Import, ast.ImportFrom)) for a in n.names}
-    # at the top: the standard library and tools/cli.py (its one-line argument errors), itself standard library only
-    assert roots(tree.body) <= set(sys.stdlib_module_names) | {"__future__", "tools"}
-    assert roots(ast.parse((REPO / "tools" / "cli.py").read_text()).body) <= set(sys.stdlib_module_names) | \
-        {"__future__"}
+    # at the top: the standard library and flags.py (its one-line argument errors), itself standard library only
+    assert roots(tree.body) <= set(sys.stdlib_module_names) | {"__future__", "flags"}
+    assert roots(ast.parse((REPO / "flags.py").read_text()).body) <= set(sys.stdlib_module_names) | {"__future__"}
     assert roots(ast.walk(tree)) <= set(sys.stdlib_module_names) | {"__future__", "torch", "numpy", "train_gpt",
-                                                                      "data", "records", "tools"}
+                                                                      "data", "records", "flags"}
     real_find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "pytest" else
                         real_find_spec(name, *a))
@@ -423,13 +419,13 @@ def test_v2_table_targets_v2_and_compares_the_reference():
 def test_step_cost_times_a_variant_as_the_trainer_builds_it(monkeypatch, capsys):
     """One real (small) step per variant through the trainer's own builders; a row per variant, ratios to the
     first; an unknown variant is refused naming the valid ones."""
-    import step_cost
+    from bench import step_cost
     monkeypatch.setattr(step_cost, "STEP_TOKENS", 1024)
     small = ["--n_layer=4", "--model_dim=64", "--n_head=2", "--head_dim=32", "--bigram_vocab_size=1000",
              "--bigram_dim=32"]
     monkeypatch.setitem(A.SUITES, "tiny", A.Suite({"reference": small[:4], "v2": ["--recipe=v2", *small]}, "v2",
                                                   "reference", "", "bench/results/tiny"))
-    with pytest.raises(cli.UsageError, match=r"unknown variant\(s\) nope"):
+    with pytest.raises(flags.UsageError, match=r"unknown variant\(s\) nope"):
         step_cost.main(["--suite=v2", "--variants=reference,nope"])
     assert step_cost.ablation is A  # the suites step_cost reads are the ones patched above
     step_cost.main(["--suite=tiny", "--steps=1"])
@@ -440,7 +436,7 @@ def test_step_cost_times_a_variant_as_the_trainer_builds_it(monkeypatch, capsys)
 # ---------------------------------------------------------------- memory_estimate.py
 
 def test_memory_tally_counts_each_storage_once_and_keeps_the_peak():
-    import memory_estimate as M
+    from bench import memory_estimate as M
     tally = M.Tally()
     a = torch.empty(1024)  # 4 KiB
     tally.add(a, "x", "a")
@@ -458,7 +454,7 @@ def test_memory_tally_counts_each_storage_once_and_keeps_the_peak():
 def test_memory_estimate_runs_the_trainers_step_and_validation_on_fake_tensors(capsys):
     """A small model through the script: a row per phase and world size, the predicted peak at most the
     no-fusion bound; two ranks hold less optimizer state than one."""
-    import memory_estimate as M
+    from bench import memory_estimate as M
     small = ["--n_layer=4", "--model_dim=128", "--n_head=2", "--head_dim=64", "--seq_len=1024", "--val_seq_len=2048",
              "--val_tokens=2048", "--batch_tokens=4096", "--batch_schedule=1/2,1", "--bigram_vocab_size=4096",
              "--bigram_dim=64"]
@@ -476,9 +472,8 @@ def test_memory_estimate_runs_the_trainers_step_and_validation_on_fake_tensors(c
 @pytest.mark.parametrize("size", ["-1", "0", "nan", "inf"])
 def test_memory_estimate_refuses_a_device_size_that_is_not_positive_and_finite(size, capsys):
     """--device_gib=-1 was accepted and printed a negative headroom for every row."""
-    import memory_estimate as M
-    from tools.cli import run_cli
-    assert run_cli(lambda: M.main([f"--device_gib={size}"]), usage_errors=(T.UsageError,)) == 2
+    from bench import memory_estimate as M
+    assert flags.run_cli(lambda: M.main([f"--device_gib={size}"])) == 2
     assert capsys.readouterr().err == (f"error: argument --device_gib: bad value '{size}'; valid: a finite number "
                                        "in (0, inf) (see memory_estimate.py --help)\n")
 
@@ -493,8 +488,8 @@ def test_every_bench_programs_numbers_are_range_checked_where_parsed(program, ba
     'error: argument ...' line naming the valid range, exit 2, before anything runs (each main() as its
     `if __name__ == "__main__"` runs it)."""
     import importlib
-    module = importlib.import_module(program)
-    assert cli.run_cli(lambda: module.main([bad]), usage_errors=(T.UsageError,)) == 2
+    module = importlib.import_module(f"bench.{program}")
+    assert flags.run_cli(lambda: module.main([bad])) == 2
     flag, value = bad.split("=")
     out, err = capsys.readouterr()
     assert out == "" and re.fullmatch(rf"error: argument {flag}: bad value '{re.escape(value)}'; valid: .* "

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
-import checkpoints  # noqa: E402
+import checkpoints
 import train_gpt as T
-from conftest import (RANK_DRIVER, REPO, SIX, TINY, parse_progress_line, run_main, run_trainer,
+from conftest import (IMPORT_ENV, RANK_DRIVER, REPO, SIX, TINY, parse_progress_line, run_main, run_trainer,
                       start_two_ranks_until_step_3, train_losses)
 from rank_driver import REPORT as LEFT_BEHIND_REPORT
 
@@ -218,7 +218,7 @@ def test_a_hung_rank_stops_the_others_after_the_collective_timeout(tmp_path):
                    f"--log_dir={tmp_path}"]
     procs = []
     for rank in range(2):
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+        env = {**os.environ, **IMPORT_ENV, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
                "WORLD_SIZE": "2", "RANK": str(rank), "LOCAL_RANK": str(rank)}
         procs.append(subprocess.Popen([sys.executable, str(RANK_DRIVER)] + args, cwd=REPO, env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))

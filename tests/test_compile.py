@@ -3,19 +3,16 @@ backend, FP8 head) and every other compiled piece traced with fullgraph=True und
 backend, so a graph break or an op without a fake kernel fails CI instead of the first GPU run; and
 recompilations after warm-up are reported with dynamo's reason."""
 
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import lifecycle  # noqa: E402
-import train_gpt as T  # noqa: E402
+import pytest
+import torch
+import torch.nn as nn
+from torch._dynamo.backends.common import aot_autograd
+from torch._functorch.aot_autograd import make_boxed_func
+from torch._subclasses.fake_tensor import FakeTensorMode
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
-import torch.nn as nn  # noqa: E402
-from torch._dynamo.backends.common import aot_autograd  # noqa: E402
-from torch._functorch.aot_autograd import make_boxed_func  # noqa: E402
-from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
+import lifecycle
+import train_gpt as T
 
 EOT = T.EOT_TOKEN
 SEQ = 512  # shorter than the speedrun's 48K: the graph is the same, only the sizes shrink

@@ -4,15 +4,13 @@ value the record sets, pinned to the record's value (records/track_1_short/2025-
 --help, the presets, and the one-line refusal of each flag's out-of-range values (a table covering every field) and
 of values that contradict each other (the batch schedule's stages among them)."""
 import dataclasses
-import sys
 from dataclasses import fields
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import flags  # noqa: E402
-import train_gpt as T  # noqa: E402
+import flags
+import train_gpt as T
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -25,7 +25,7 @@ from urllib.parse import unquote
 import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-PROGRAM = REPO_ROOT / "data" / "cached_fineweb10B.py"
+PROGRAM = [sys.executable, "-m", "data.cached_fineweb10B"]  # run from the project root, as the README runs it
 REPO_ID = "kjj0/fineweb10B-gpt2"
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 
@@ -147,8 +147,9 @@ def run_download(endpoint: str, tmp_path: Path, *args: str, **env_extra: str) ->
     )
     env.update(env_extra)
     return subprocess.run(
-        [sys.executable, str(PROGRAM), *args, "--local_dir", str(tmp_path / "shards")],
+        [*PROGRAM, *args, "--local_dir", str(tmp_path / "shards")],
         env=env,
+        cwd=REPO_ROOT,
         capture_output=True,
         text=True,
         timeout=120,

@@ -74,11 +74,11 @@ def test_regenerating_reproduces_the_files(tmp_path, monkeypatch):
     env = dict(os.environ, TIKTOKEN_CACHE_DIR=str(TIKTOKEN_CACHE))
     proc = subprocess.run(
         [
-            sys.executable, str(REPO_ROOT / "data" / "fineweb.py"),
+            sys.executable, "-m", "data.fineweb",
             "--input", str(CORPUS), "--text_docs", "line", "--name", "sotu",
             "--output_dir", str(out), "--val_tokens", "262144", "--workers", "2",
         ],
-        env=env, capture_output=True, text=True, timeout=300,
+        env=env, capture_output=True, text=True, timeout=300, cwd=REPO_ROOT,
     )
     assert proc.returncode == 0, proc.stderr
     assert sorted(p.name for p in out.iterdir()) == sorted(FILES)

@@ -18,12 +18,12 @@ import numpy as np
 import pytest
 import torch
 
-import checkpoints  # noqa: E402
+import checkpoints
 import train_gpt as T
+from flags import run_cli
 from conftest import (REPO, TINY, parse_progress_line, run_main, run_trainer, start_two_ranks_until_step_3,
                       tool_in_process, train_losses)
 from tools import loading
-from tools.loading import run_tool
 
 
 def one_line_error(result, code=2):
@@ -256,7 +256,7 @@ def test_the_tools_verify_checkpoint_bytes_like_the_trainer(tmp_path, tiny_run):
 
 def export_cli(*args):
     from tools import export
-    return run_tool(lambda: export.main([str(a) for a in args]))
+    return run_cli(lambda: export.main([str(a) for a in args]))
 
 
 def test_export_never_replaces_a_file_it_did_not_write(tmp_path, tiny_run, capsys):
@@ -305,20 +305,21 @@ def test_a_twice_resumed_run_records_its_segments_and_the_reader_shows_them(tmp_
     assert fields["tokens"] == summary["tokens"] and fields["resumes"] == 2
     assert fields["total_train_time"] == pytest.approx(summary["total_train_time_ms"], abs=1)
     for path in (tmp_path / "seg.txt", tmp_path / "seg.json"):  # each of the trainer's files, read alone
-        out = subprocess.run([sys.executable, str(REPO / "records" / "read_records.py"), str(path), "--json"],
-                             capture_output=True, text=True, timeout=60)
+        out = subprocess.run([sys.executable, "-m", "records.read_records", str(path), "--json"],
+                             capture_output=True, text=True, timeout=60, cwd=REPO)
         assert out.returncode == 0, out.stderr
         (parsed,) = json.loads(out.stdout)["runs"]
         assert parsed["resumes"] == 2 and parsed["tokens"] == summary["tokens"], (path, parsed)
         assert parsed["total_train_time_ms"] == pytest.approx(summary["total_train_time_ms"], abs=1)
-    table = subprocess.run([sys.executable, str(REPO / "records" / "read_records.py"), str(tmp_path / "seg.json")],
-                           capture_output=True, text=True, timeout=60).stdout
+    table = subprocess.run([sys.executable, "-m", "records.read_records", str(tmp_path / "seg.json")],
+                           capture_output=True, text=True, timeout=60, cwd=REPO).stdout
     row = next(line for line in table.splitlines() if line.startswith("| seg "))
     assert f"| {summary['total_train_time_ms'] / 1000:.2f} (total) | 2 |" in row, table
 
 
 @pytest.mark.parametrize("tool_args, message", [
-    (["sample.py", "ckpt", "--max_new_tokens=abc"], "argument --max_new_tokens: bad value 'abc'; valid: an integer at least 1"),
+    (["sample.py", "ckpt", "--max_new_tokens=abc"],
+     "argument --max_new_tokens: bad value 'abc'; valid: an integer at least 1"),
     (["hellaswag.py"], "the following arguments are required: checkpoint"),
     (["export.py", "only_one"], "the following arguments are required: out_dir"),
 ])
@@ -326,7 +327,7 @@ def test_tool_argument_errors_are_one_line(tool_args, message, capsys, monkeypat
     import importlib
     program = importlib.import_module(f"tools.{tool_args[0].removesuffix('.py')}")
     monkeypatch.setattr(sys, "argv", [str(REPO / "tools" / tool_args[0])])  # argparse names the program from it
-    assert run_tool(lambda: program.main(tool_args[1:])) == 2
+    assert run_cli(lambda: program.main(tool_args[1:])) == 2
     err = capsys.readouterr().err
     assert err.strip().splitlines() == [err.strip()] and err.startswith(f"error: {message} (see {tool_args[0]} --help)")
 

@@ -76,7 +76,7 @@ def test_bad_shards_give_a_clear_error_naming_the_file(tmp_path, case, message):
 def test_empty_glob_names_the_pattern_and_the_download_command(tmp_path):
     with pytest.raises(T.UsageError) as err:
         T.find_shards(str(tmp_path / "fineweb_train_*.bin"), "training")
-    assert "fineweb_train_*.bin" in str(err.value) and "cached_fineweb10B.py" in str(err.value)
+    assert "fineweb_train_*.bin" in str(err.value) and "python -m data.cached_fineweb10B 9" in str(err.value)
 
 
 def test_relative_globs_also_resolve_against_the_repository(tmp_path, monkeypatch):

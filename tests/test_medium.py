@@ -6,16 +6,15 @@ traced at its real model shape, a tiny run on CPU through every medium-only path
 import dataclasses
 import json
 
-import sys
 
 import pytest
 import torch
 from torch._dynamo.backends.common import aot_autograd
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-import lifecycle  # noqa: E402
+import lifecycle
 import train_gpt as T
-from conftest import REPO, run_main, train_losses
+from conftest import run_main, train_losses
 from test_compile import as_fake, documents, graph_ops, graph_recorder
 
 # The track-2 record's values, as literals (not the trainer's table): the code at d7011639 and its README.
@@ -205,8 +204,7 @@ def test_a_device_too_small_for_the_micro_batch_is_one_line_saying_what_to_pass(
 def test_the_medium_memory_estimate_runs_on_fake_tensors(capsys):
     """bench/memory_estimate.py --preset=medium from the trainer's own model: its validation on one GPU (the
     table in docs/presets.md has every phase on 1 and 8 GPUs; this test keeps the suite short)."""
-    sys.path.insert(0, str(REPO / "bench"))
-    import memory_estimate as M
+    from bench import memory_estimate as M
     assert M.main(["--preset=medium", "--recipes=reference", "--gpus=1", "--phases=validation"]) == 0
     done = capsys.readouterr()
     assert "train_gpt.py --preset=medium" in done.out and "561.6M parameters" in done.out

@@ -1,19 +1,14 @@
 """The model against the recipe: shapes, initial loss, layer roles, attention masks, backends, FP8 head, training."""
 
-import sys
-from pathlib import Path
+import math
+import warnings
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import train_gpt as T  # noqa: E402
+import numpy as np
+import pytest
+import torch
 
-import math  # noqa: E402
-import warnings  # noqa: E402
-
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-from conftest import needs_cuda  # noqa: E402
+import train_gpt as T
+from conftest import needs_cuda
 
 EOT = T.EOT_TOKEN
 BLOCK = T.BLOCK_SIZE

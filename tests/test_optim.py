@@ -1,16 +1,12 @@
 """Newton-Schulz, Muon and Adam steps against single-process references written here; grouping; state round trip."""
 
-import sys
-from pathlib import Path
+import io
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import train_gpt as T  # noqa: E402
+import numpy as np
+import pytest
+import torch
 
-import io  # noqa: E402
-
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import train_gpt as T
 
 NS_COEFFS = (3.4445, -4.7750, 2.0315)  # the recipe's quintic coefficients
 

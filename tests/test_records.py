@@ -19,20 +19,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from records import read_records as rr
+
 REPO = Path(__file__).resolve().parents[1]
-SCRIPT = REPO / "records" / "read_records.py"
+READER = [sys.executable, "-m", "records.read_records"]  # as the README runs it, from the project root
 FIX = REPO / "tests" / "fixtures" / "records"
-
-
-def _load_reader():
-    spec = importlib.util.spec_from_file_location("read_records_under_test", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look the module up by name
-    spec.loader.exec_module(module)
-    return module
-
-
-rr = _load_reader()
 
 
 def run_cli(*args, block=()):
@@ -40,11 +31,11 @@ def run_cli(*args, block=()):
     if block:
         prelude = "import sys, runpy\n"
         prelude += "".join(f"sys.modules[{m!r}] = None\n" for m in block)
-        prelude += f"sys.argv = {[str(SCRIPT)] + [str(a) for a in args]!r}\n"
-        prelude += f"runpy.run_path({str(SCRIPT)!r}, run_name='__main__')\n"
+        prelude += f"sys.argv = {['read_records.py'] + [str(a) for a in args]!r}\n"
+        prelude += "runpy.run_module('records.read_records', run_name='__main__', alter_sys=True)\n"
         cmd = [sys.executable, "-c", prelude]
     else:
-        cmd = [sys.executable, str(SCRIPT)] + [str(a) for a in args]
+        cmd = READER + [str(a) for a in args]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=REPO)
 
 
@@ -472,8 +463,8 @@ def test_reader_parses_a_real_log_written_by_the_trainer(tmp_path, tiny_run):
     """End to end: a tiny CPU run of train_gpt.py, then the reader on its log alone (the .txt must be enough)."""
     from conftest import val_losses
     shutil.copy(tiny_run / "tiny.txt", tmp_path / "real.txt")
-    out = subprocess.run([sys.executable, str(SCRIPT), str(tmp_path / "real.txt"), "--json"],
-                          capture_output=True, text=True, timeout=60)
+    out = subprocess.run(READER + [str(tmp_path / "real.txt"), "--json"], capture_output=True, text=True, timeout=60,
+                         cwd=REPO)
     assert out.returncode == 0, out.stderr
     (parsed,) = json.loads(out.stdout)["runs"]
     log_vals = val_losses((tmp_path / "real.txt").read_text())
@@ -495,8 +486,8 @@ def test_a_run_rebuilt_from_its_logs_embedded_sources_reruns_to_the_same_losses(
     assert {"train_gpt.py", "flags.py", "runlog.py", "checkpoints.py"} <= set(sources)
     assert all(sources[name] == (REPO / name).read_text() for name in sources)  # byte for byte
     out = tmp_path / "rebuilt"
-    done = subprocess.run([sys.executable, str(REPO / "records" / "rebuild_run.py"), str(log), str(out)],
-                          capture_output=True, text=True, timeout=60)
+    done = subprocess.run([sys.executable, "-m", "records.rebuild_run", str(log), str(out)], capture_output=True,
+                          text=True, timeout=60, cwd=REPO)
     assert done.returncode == 0, done.stderr
     command = shlex.split(done.stdout.strip().splitlines()[-1])
     assert command[1] == str(out / "train_gpt.py") and "--n_layer=2" in command and "--seed=0" in command
@@ -508,8 +499,8 @@ def test_a_run_rebuilt_from_its_logs_embedded_sources_reruns_to_the_same_losses(
     assert rr.log_sources(rerun)[0] == sources  # the rebuilt files, and nothing from the checkout, ran
     original = log.read_text()
     assert train_losses(rerun) == train_losses(original) and val_losses(rerun) == val_losses(original)
-    refused = subprocess.run([sys.executable, str(REPO / "records" / "rebuild_run.py"), str(log), str(out)],
-                             capture_output=True, text=True, timeout=60)
+    refused = subprocess.run([sys.executable, "-m", "records.rebuild_run", str(log), str(out)], capture_output=True,
+                             text=True, timeout=60, cwd=REPO)
     assert refused.returncode == 2 and "already holds train_gpt.py" in refused.stderr  # never over a file
 
 

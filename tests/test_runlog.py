@@ -3,6 +3,7 @@ traces, the metrics file (and TensorBoard), progress bars on a terminal, the tar
 energy continued across a resume."""
 import concurrent.futures
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -11,9 +12,9 @@ import types
 import pytest
 import torch
 
-import runlog  # noqa: E402
+import runlog
 import train_gpt as T
-from conftest import parse_progress_line, REPO, TINY, run_trainer
+from conftest import IMPORT_ENV, REPO, TINY, parse_progress_line, run_trainer
 
 CPU_RANK0 = T.Runtime(0, 0, 1, torch.device("cpu"), torch.float32, "banded", False, "off")
 
@@ -104,14 +105,13 @@ def test_energy_line_reports_kwh_power_and_tokens_per_kwh():
 
 SUM_DRIVER = textwrap.dedent('''
     import sys, torch, torch.distributed as dist
-    sys.path.insert(0, {repo!r})
     import train_gpt as T
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     rt = T.Runtime(rank, rank, 2, torch.device("cpu"), torch.float32, "banded", False, "off")
     meter = T.EnergyMeter(object() if rank == 0 else None, "" if rank == 0 else "no counter")  # rank 1 measures nothing
     meter.joules["train"], meter.joules["validation"] = (123.5, 2.0) if rank == 0 else (0.0, 0.0)
-    with open(sys.argv[1] + f"/total{{rank}}.txt", "w") as out:  # one file per rank: stdout lines interleave
+    with open(sys.argv[1] + f"/total{rank}.txt", "w") as out:  # one file per rank: stdout lines interleave
         out.write(repr(meter.totals(rt)))
     dist.destroy_process_group()
 ''')
@@ -119,9 +119,10 @@ SUM_DRIVER = textwrap.dedent('''
 
 def test_energy_is_summed_over_ranks(tmp_path):
     driver = tmp_path / "sum.py"
-    driver.write_text(SUM_DRIVER.format(repo=str(REPO)))
+    driver.write_text(SUM_DRIVER)
     result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                             str(driver), str(tmp_path)], capture_output=True, text=True, timeout=120)
+                             str(driver), str(tmp_path)], capture_output=True, text=True, timeout=120,
+                            env={**os.environ, **IMPORT_ENV})
     assert result.returncode == 0, result.stderr[-2000:]
     assert [(tmp_path / f"total{r}.txt").read_text() for r in range(2)] == \
         ["{'train': 123.5, 'warmup': 0.0, 'validation': 2.0, 'ranks': 1}"] * 2
@@ -187,7 +188,6 @@ def test_the_loop_counts_training_energy_and_not_validation(tmp_path, monkeypatc
 # ---------------------------------------------------------------- the metrics file, read back by its one reader
 
 def reader():
-    sys.path.insert(0, str(REPO))
     from records import read_records
     return read_records
 
@@ -244,8 +244,8 @@ def test_a_torn_or_odd_metrics_file_is_read_as_far_as_it_can_be(tmp_path):
     assert metrics.skipped == ['line 2: bad value "low" for val_loss; valid: a finite number >= 0',
                                "line 4: not a metrics record (kind 'hellaswag'; known: train, val, target)",
                                "line 6: cut short (the run stopped while writing it)", "unknown key(s) mystery left out"]
-    out = subprocess.run([sys.executable, str(REPO / "records" / "read_records.py"), str(path)], capture_output=True,
-                         text=True, timeout=60)
+    out = subprocess.run([sys.executable, "-m", "records.read_records", str(path)], capture_output=True,
+                         text=True, timeout=60, cwd=REPO)
     assert out.returncode == 0 and "| r |" in out.stdout and "(unfinished)" in out.stdout, out.stderr
     assert out.stderr.splitlines() == [f"skipped {path}: {reason}" for reason in metrics.skipped], out.stderr
     # bytes of another file under this name, and a line nested deeper than Python's JSON parser goes: a few
@@ -255,8 +255,8 @@ def test_a_torn_or_odd_metrics_file_is_read_as_far_as_it_can_be(tmp_path):
     metrics = rr.read_metrics(path)
     assert sorted(metrics.records["val"]) == [0] and len(metrics.skipped) == 4, metrics.skipped
     assert metrics.skipped[3].startswith("and ") and metrics.skipped[3].endswith(" more line(s) that could not be read")
-    out = subprocess.run([sys.executable, str(REPO / "records" / "read_records.py"), str(tmp_path)],
-                         capture_output=True, text=True, timeout=60)
+    out = subprocess.run([sys.executable, "-m", "records.read_records", str(tmp_path)],
+                         capture_output=True, text=True, timeout=60, cwd=REPO)
     assert out.returncode == 0 and "(unfinished)" in out.stdout and len(out.stderr.splitlines()) == 4, out.stderr
 
 
@@ -361,8 +361,8 @@ def test_the_target_marks_the_run_and_can_stop_it(tmp_path):
         (run,), skipped = rr.read_runs([str(path)])
         assert not skipped and (run.target_step, run.target_loss) == (2, 10.7), path
         assert run.target_train_time_ms == pytest.approx(reached["train_time_ms"], abs=1), path
-    table = subprocess.run([sys.executable, str(REPO / "records" / "read_records.py"), str(tmp_path / "marks.json")],
-                           capture_output=True, text=True, timeout=60).stdout
+    table = subprocess.run([sys.executable, "-m", "records.read_records", str(tmp_path / "marks.json")],
+                           capture_output=True, text=True, timeout=60, cwd=REPO).stdout
     assert f"| 10.7 | 2 | {reached['train_time_ms'] / 1000:.2f} |" in table
 
 
@@ -441,8 +441,7 @@ def test_model_flops_per_token_count_the_matrices_and_each_layers_window():
 # ---------------------------------------------------------------- energy continued across a resume
 
 ENERGY_DRIVER = textwrap.dedent('''
-    import sys, time
-    sys.path[:0] = [{repo!r}, {repo!r} + "/tests"]
+    import time
     import runlog, train_gpt as T
     from rank_driver import exit_checked
 
@@ -465,7 +464,7 @@ def test_energy_is_stored_in_checkpoints_and_continued_on_resume(tmp_path, ranks
     half), each launch's share is in its segment, the energy at the target (reached after the resume) counts the
     first launch too, and warm-up and validation are counted apart."""
     driver = tmp_path / "energy.py"
-    driver.write_text(ENERGY_DRIVER.format(repo=str(REPO)))
+    driver.write_text(ENERGY_DRIVER)
     base = TINY + ["--num_iterations=4", "--val_every=2", "--run_id=e", "--warmup_steps=1", "--target_val_loss=10.5"]
     first = run_trainer(base + ["--stop_after=2"], tmp_path, nproc=ranks, driver=driver)
     assert first.returncode == 0, first.stderr[-2000:]

@@ -1,16 +1,12 @@
 """Schedules (lr, Muon momentum, attention window, the step's device tensors), checked against the recipe's numbers."""
 
-import sys
-from pathlib import Path
+import math
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import train_gpt as T  # noqa: E402
-from conftest import TINY, run_main  # noqa: E402
+import pytest
+import torch
 
-import math  # noqa: E402
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import train_gpt as T
+from conftest import TINY, run_main
 
 
 def speedrun(*extra):

@@ -19,7 +19,7 @@ import pytest
 from conftest import TIKTOKEN_CACHE, needs_gpt2_vocab, skip_without_gpt2_vocab
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-PROGRAM = REPO_ROOT / "data" / "fineweb.py"
+PROGRAM = [sys.executable, "-m", "data.fineweb"]  # run from the project root, as the README runs it
 EOT = 50256
 
 # Tests that encode text need the GPT-2 ranks; the ones that fail before encoding do not.
@@ -56,7 +56,7 @@ def read_shard(path: Path) -> tuple[tuple[int, ...], list[int]]:
 def run_tool(*args: str, env_extra: dict | None = None) -> subprocess.CompletedProcess:
     env = dict(os.environ, TIKTOKEN_CACHE_DIR=str(TIKTOKEN_CACHE), PYTHONUNBUFFERED="1")
     env.update(env_extra or {})
-    return subprocess.run([sys.executable, str(PROGRAM), *args], env=env, capture_output=True, text=True, timeout=120)
+    return subprocess.run([*PROGRAM, *args], env=env, capture_output=True, text=True, timeout=120, cwd=REPO_ROOT)
 
 
 def shards_in(folder: Path) -> list[str]:

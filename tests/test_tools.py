@@ -11,14 +11,14 @@ import urllib.request
 import pytest
 import torch
 
-import checkpoints  # noqa: E402
-import evaluation  # noqa: E402
+import checkpoints
+import evaluation
 import train_gpt as T
+from flags import integer, number, run_cli
 from conftest import TINY, TOKENIZER_ENV, run_main, tool, tool_in_process
 from conftest import needs_gpt2_vocab as needs_tokenizer
 from tools import hellaswag as H
 from tools import loading, sample
-from tools.loading import run_tool
 from tools.export import export
 from tools.loading import load_exported
 from test_evaluation import FIXTURE, FakeServer, prompt_with_documents
@@ -93,7 +93,7 @@ def test_sample_cli_refuses_a_nan_temperature_in_one_line(checkpoint):
     (H, "--limit=-1", "an integer at least 0"),
 ])
 def test_a_tool_number_out_of_range_is_one_error_line_naming_the_range(program, option, valid, checkpoint, capsys):
-    assert run_tool(lambda: program.main([str(checkpoint), option])) == 2
+    assert run_cli(lambda: program.main([str(checkpoint), option])) == 2
     name, value = option.split("=")
     err = capsys.readouterr().err
     assert err.startswith(f"error: argument {name}: bad value '{value}'; valid: {valid} (see ") and \
@@ -101,8 +101,7 @@ def test_a_tool_number_out_of_range_is_one_error_line_naming_the_range(program, 
 
 
 def test_cli_number_types_refuse_what_is_out_of_range_naming_the_range():
-    """tools/cli.py's type= helpers, which every program's number arguments use."""
-    from tools.cli import integer, number
+    """flags.py's rules as argparse type=, which every program's number arguments use."""
     def refused(convert, text):
         with pytest.raises(argparse.ArgumentTypeError) as caught:
             convert(text)
@@ -159,7 +158,7 @@ def test_checkpoint_of_another_shape_or_recipe_is_refused(checkpoint, tmp_path):
 
 def test_unreachable_file_is_one_line_with_the_url(monkeypatch, tmp_path, capsys, checkpoint):
     monkeypatch.setattr(urllib.request, "urlopen", FakeServer(None))
-    assert run_tool(lambda: H.main([str(checkpoint), "--cache_dir", str(tmp_path)])) == 2
+    assert run_cli(lambda: H.main([str(checkpoint), "--cache_dir", str(tmp_path)])) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "cannot download the HellaSwag validation file" in err[0] and evaluation.HELLASWAG_URL in err[0]
 
@@ -322,7 +321,7 @@ def test_a_second_ctrl_c_ends_the_launcher_and_its_workers_at_once_in_one_line(t
 # ----------------------------------------------------------------------------- cli.py: a user's paths and lists
 
 def test_a_users_path_to_read_is_one_line_for_each_way_it_cannot_be_read(tmp_path):
-    from tools.cli import UsageError, read_user_file
+    from flags import UsageError, read_user_file
     (tmp_path / "binary").write_bytes(b"ok\x00\xff")
     (tmp_path / "file").write_text("text")
     os.mkfifo(tmp_path / "fifo")
@@ -340,7 +339,7 @@ def test_a_users_path_to_read_is_one_line_for_each_way_it_cannot_be_read(tmp_pat
 
 
 def test_a_users_path_to_write_is_checked_then_written_whole(tmp_path):
-    from tools.cli import UsageError, write_user_file
+    from flags import UsageError, write_user_file
     os.mkfifo(tmp_path / "fifo")
     (tmp_path / "file").write_text("kept")
     for path, said in [(tmp_path, "it is a folder"), (tmp_path / "fifo", "it is a FIFO (named pipe)"),
@@ -360,7 +359,7 @@ def re_escape(text):
 
 
 def test_a_list_argument_is_never_empty():
-    from tools.cli import comma_list, integer
+    from flags import comma_list, integer
     sizes = comma_list(integer(1), items="world sizes")
     assert sizes("1, 8,") == [1, 8]
     for text, said in [("", "empty list ''; pass one or more world sizes"), (",", "empty list ','"),

@@ -10,18 +10,17 @@ import warnings
 import pytest
 
 from conftest import REPO, TINY, run_main
-import lifecycle  # noqa: E402
+import lifecycle
 
 
 def supported_minors():
-    import train_gpt as T
     (major, oldest), (_, newest) = lifecycle.SUPPORTED_TORCH
     return [f"{major}.{minor}" for minor in range(oldest, newest + 1)]
 
 
 def test_the_readme_requirements_and_ci_agree_on_the_supported_torch():
     """docs/supported-torch.md's table has a row for every release of the trainer's range, the pin is the
-    trainer's, and CI runs the torch_range subset (registered in pytest.ini) under a second release of the range."""
+    trainer's, and CI runs the torch_range subset (registered in pyproject.toml) under a second release of the range."""
     import train_gpt as T
     assert f"torch=={lifecycle.PINNED_TORCH}" in (REPO / "requirements.txt").read_text().splitlines()
     section = (REPO / "docs" / "supported-torch.md").read_text()
@@ -30,7 +29,7 @@ def test_the_readme_requirements_and_ci_agree_on_the_supported_torch():
     ci = (REPO / ".ci" / "run").read_text()
     second = re.search(r"SUBSET_TORCH:-(\d+\.\d+)\.\d+", ci)
     assert second and second[1] in supported_minors() and second[1] != lifecycle.PINNED_TORCH.rsplit(".", 1)[0], ci
-    assert "-m torch_range" in ci and "torch_range:" in (REPO / "pytest.ini").read_text()
+    assert "-m torch_range" in ci and "torch_range:" in (REPO / "pyproject.toml").read_text()
 
 
 def test_every_difference_between_supported_torch_releases_is_handled_in_one_place():
@@ -51,7 +50,6 @@ def test_every_difference_between_supported_torch_releases_is_handled_in_one_pla
 @pytest.mark.torch_range
 def test_a_torch_older_than_the_range_is_refused_in_one_line_saying_what_to_install(monkeypatch, tmp_path):
     import torch
-    import train_gpt as T
     from torch.torch_version import TorchVersion
     monkeypatch.setattr(torch, "__version__", TorchVersion("2.9.1+cu128"))
     result = run_main(TINY, tmp_path)
@@ -94,7 +92,6 @@ def test_a_gpu_node_whose_torch_cannot_use_its_gpus_is_refused_in_one_line(monke
     """A driver older than the wheel's CUDA, or a CPU-only wheel, on a node with GPUs: one line naming the build
     (torch's own multi-line warning folded into it), not a cpu run; --preset=cpu still asks for the CPU."""
     import torch
-    import train_gpt as T
 
     def unavailable():
         if torch_says:

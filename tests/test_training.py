@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-import checkpoints  # noqa: E402
+import checkpoints
 import train_gpt as T
 from conftest import REPO, SIX, only_log, run_main, run_trainer, side_by_side, train_losses, val_losses
 
@@ -60,7 +60,6 @@ def test_same_seed_gives_the_same_losses(tmp_path, tiny):
 DRIVER = textwrap.dedent('''
     """Runs train_gpt.main with one deliberate fault, to prove the equivalence test catches it."""
     import sys
-    sys.path[:0] = [{repo!r}, {repo!r} + "/tests"]
     import train_gpt as T
     from rank_driver import exit_checked
     fault = sys.argv.pop(1)
@@ -84,7 +83,7 @@ DRIVER = textwrap.dedent('''
 def losses_with_fault(tmp_path, fault):
     """The session's six-step runs (SIX, final checkpoint), on two ranks with one deliberate fault."""
     driver = tmp_path / "driver.py"
-    driver.write_text(DRIVER.format(repo=str(REPO)))
+    driver.write_text(DRIVER)
     result = run_trainer([fault] + SIX + [f"--run_id={fault}", "--checkpoint_final=true"], tmp_path, nproc=2,
                          driver=driver)
     assert result.returncode == 0, result.stderr[-2000:]
@@ -139,8 +138,7 @@ V2_CPU = ["--preset=cpu", "--recipe=v2", "--model_dim=64", "--n_head=2", "--head
 
 
 def test_recipe_v2_gives_the_same_losses_and_state_on_one_and_two_ranks(tmp_path):
-    sys.path.insert(0, str(REPO / "bench"))
-    import ablation
+    from bench import ablation
     # fp32 activations: v2's many bf16 stream ops, summed in another order per world size, would drift the
     # optimizer state past STATE_TOLERANCE; Muon's iterations stay bf16
     args = {nproc: V2_CPU + [f"--run_id=v2ws{nproc}", "--checkpoint_final=true", "--dtype=fp32"] for nproc in (1, 2)}
@@ -234,7 +232,7 @@ def test_two_nodes_of_one_process_equal_one_node_of_two(tmp_path, six_steps_two_
     run like --nproc_per_node=2 (the session's six-step run on two ranks)."""
     port = free_port()
     args = SIX + ["--run_id=nodes", f"--log_dir={tmp_path / 'nodes'}"]
-    launch = [sys.executable, str(REPO / "tools" / "launch.py"), "--nnodes=2", "--nproc_per_node=1", "--rdzv_backend=c10d",
+    launch = [sys.executable, "-m", "tools.launch", "--nnodes=2", "--nproc_per_node=1", "--rdzv_backend=c10d",
               f"--rdzv_endpoint=127.0.0.1:{port}", "--rdzv_id=two_nodes", str(REPO / "train_gpt.py"), *args]
     nodes = [subprocess.Popen(launch, cwd=REPO, env=ONE_THREAD, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for _ in range(2)]
@@ -253,7 +251,7 @@ def test_a_rendezvous_that_cannot_form_ends_in_one_line_naming_the_endpoint(host
     torchrun retried for ~2 minutes whatever join_timeout said, printing dozens of C++ backtrace lines."""
     endpoint = f"{host}:{free_port()}"
     started = time.monotonic()
-    done = subprocess.run([sys.executable, str(REPO / "tools" / "launch.py"), "--nnodes=2", "--nproc_per_node=1",
+    done = subprocess.run([sys.executable, "-m", "tools.launch", "--nnodes=2", "--nproc_per_node=1",
                            "--rdzv_backend=c10d", f"--rdzv_endpoint={endpoint}", "--rdzv_id=alone",
                            f"--rdzv_conf=join_timeout=3{conf}", str(REPO / "train_gpt.py")],
                           cwd=REPO, env=ONE_THREAD, capture_output=True, text=True, timeout=120)
@@ -265,7 +263,7 @@ def test_a_rendezvous_that_cannot_form_ends_in_one_line_naming_the_endpoint(host
 
 
 def test_the_launcher_ends_with_the_failed_workers_exit_status(tmp_path):
-    done = subprocess.run([sys.executable, str(REPO / "tools" / "launch.py"), "--standalone", "--nproc_per_node=1",
+    done = subprocess.run([sys.executable, "-m", "tools.launch", "--standalone", "--nproc_per_node=1",
                            str(REPO / "train_gpt.py"), "--preset=cpu", "--model_dim=96", f"--log_dir={tmp_path}"],
                           cwd=REPO, env=ONE_THREAD, capture_output=True, text=True, timeout=120)
     assert done.returncode == T.EXIT_USAGE, done.stderr[-3000:]

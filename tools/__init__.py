@@ -1,8 +1,8 @@
 """After the run: command-line programs that import the model from train_gpt.py (never a copy of it).
 
-    python tools/sample.py <checkpoint> --prompt "The President"   # text from the model (KV cache)
-    python tools/hellaswag.py <checkpoint> [--data FILE.jsonl]      # HellaSwag acc / acc_norm
-    python tools/export.py <checkpoint> <out_dir>                   # safetensors + JSON config
+    python -m tools.sample <checkpoint> --prompt "The President"   # text from the model (KV cache)
+    python -m tools.hellaswag <checkpoint> [--data FILE.jsonl]      # HellaSwag acc / acc_norm
+    python -m tools.export <checkpoint> <out_dir>                   # safetensors + JSON config
 
 <checkpoint> is a step_N/ folder that train_gpt.py wrote (final or mid-run) or a folder export.py wrote.
 """

@@ -1,4 +1,4 @@
-"""Export a trained model: python tools/export.py <checkpoint> <out_dir>
+"""Export a trained model: python -m tools.export <checkpoint> <out_dir>
 
 Writes out_dir/model.safetensors (every weight, in the dtype it trained in) and out_dir/config.json
 (the recorded hyperparameters, the step and its attention window). tools/loading.py's load_model(out_dir)
@@ -18,12 +18,9 @@ import os
 import sys
 from pathlib import Path
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from tools.cli import OneLineArgumentParser  # noqa: E402
-from tools.loading import (EXPORT_CONFIG, EXPORT_FORMAT, EXPORT_FORMAT_VERSION, EXPORT_WEIGHTS,  # noqa: E402
-                           LoadedModel, T, load_model, run_tool, safetensors_torch)
+from flags import OneLineArgumentParser, run_cli
+from tools.loading import (EXPORT_CONFIG, EXPORT_FORMAT, EXPORT_FORMAT_VERSION, EXPORT_WEIGHTS, LoadedModel, T,
+                           load_model, safetensors_torch)
 
 def check_out_dir(out_dir: Path, overwrite: bool) -> None:
     """Refuses a folder that holds a file of the export's names: a user's own file is never replaced, and an
@@ -96,4 +93,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(run_tool(main))
+    sys.exit(run_cli(main))

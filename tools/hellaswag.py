@@ -1,4 +1,4 @@
-"""HellaSwag accuracy of a trained model: python tools/hellaswag.py <checkpoint> [--data FILE.jsonl]
+"""HellaSwag accuracy of a trained model: python -m tools.hellaswag <checkpoint> [--data FILE.jsonl]
 
 The usual completion-scoring protocol: each example is a context and four endings; the model scores
 "<|endoftext|>" + context + " " + ending, and only the ending's tokens count. acc picks the ending
@@ -16,30 +16,23 @@ import sys
 import time
 from pathlib import Path
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from tools.cli import OneLineArgumentParser, integer  # noqa: E402
-import evaluation  # noqa: E402
-from tools.loading import load_model, run_tool  # noqa: E402
+import evaluation
+from flags import integer, run_cli
+from tools.loading import load_model, model_parser
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
-    p = OneLineArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("checkpoint", help="step_N/ folder of train_gpt.py, or a tools/export.py folder")
+    p = model_parser(__doc__)
     p.add_argument("--data", default="", help=f"a local HellaSwag JSONL file (default: the pinned {evaluation.HELLASWAG_FILE})")
     p.add_argument("--cache_dir", default="", help=f"where the download is kept (default {evaluation.download_cache_dir()})")
     p.add_argument("--limit", type=integer(0), default=0, help="score only the first N examples (0: all)")
-    p.add_argument("--window", default="step", choices=["step", "final"],
-                   help="attention window of the checkpoint's step, or the schedule's final one")
-    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     opts = parse(argv)
     if opts.data:  # now, not after the model loads
-        from tools.cli import user_file
+        from flags import user_file
         user_file(opts.data, "--data", evaluation.HELLASWAG_FETCH_HINT)
     loaded = load_model(opts.checkpoint, opts.device, opts.window)
     max_tokens = min(evaluation.HELLASWAG_PACK_TOKENS, loaded.model.context_len)
@@ -58,4 +51,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(run_tool(main))
+    sys.exit(run_cli(main))

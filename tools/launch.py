@@ -3,7 +3,7 @@
 Takes exactly torchrun's arguments (it runs torch.distributed.run's own main), for example on each
 of two nodes:
 
-    python tools/launch.py --nnodes=2 --nproc_per_node=8 --rdzv_backend=c10d \\
+    python -m tools.launch --nnodes=2 --nproc_per_node=8 --rdzv_backend=c10d \\
         --rdzv_endpoint=HOST:29500 --rdzv_id=job1 --rdzv_conf=join_timeout=300 \\
         train_gpt.py --run_id=two_nodes
 
@@ -22,11 +22,8 @@ import logging
 import os
 import signal
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from tools.cli import EXIT_OK, EXIT_PEER_LOST, one_line, run_cli  # noqa: E402
+from flags import EXIT_OK, EXIT_PEER_LOST, one_line, run_cli
 
 DEFAULT_JOIN_TIMEOUT_S = 600  # torch.distributed.elastic's c10d rendezvous default
 DEFAULT_READ_TIMEOUT_S = 60  # its store's: connecting to an unreachable endpoint takes ~2 x 60 s + retries
@@ -42,7 +39,7 @@ def torchrun_args(argv: list[str]):
     argparse's usage block, or a traceback of its agent's assertions)."""
     import io
     from torch.distributed.run import determine_local_world_size, parse_args, parse_min_max_nnodes
-    from tools.cli import UsageError, user_file
+    from flags import UsageError, user_file
     said = io.StringIO()
     try:
         with contextlib.redirect_stderr(said):

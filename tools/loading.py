@@ -14,18 +14,20 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
-
-import checkpoints  # noqa: E402
-import train_gpt as T  # noqa: E402
-from tools.cli import run_cli  # noqa: E402
+import checkpoints
+import train_gpt as T
+from flags import OneLineArgumentParser
 
 
-def run_tool(main, interrupted: str = "nothing was lost") -> int:
-    """How a tool ends: run_cli, with the trainer's UsageError (which the model code raises) as a usage error."""
-    return run_cli(main, interrupted, usage_errors=(T.UsageError,))
+def model_parser(doc: str) -> OneLineArgumentParser:
+    """The parser of a tool that runs a model, with the arguments every such tool takes: the checkpoint, and the
+    attention window and device load_model runs it at. doc: the tool's docstring (its first paragraph describes)."""
+    p = OneLineArgumentParser(description=doc.split("\n\n")[0])
+    p.add_argument("checkpoint", help="step_N/ folder of train_gpt.py, or a tools/export.py folder")
+    p.add_argument("--window", default="step", choices=["step", "final"],
+                   help="attention window of the checkpoint's step, or the schedule's final one")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    return p
 
 
 EXPORT_CONFIG = "config.json"  # tools/export.py writes these; load_exported reads them
@@ -147,7 +149,7 @@ def load_model(path: str | Path, device: str | torch.device = "auto", window: st
         return load_checkpoint(path, device, window)
     if (path / EXPORT_CONFIG).is_file() and (path / EXPORT_WEIGHTS).is_file():
         return load_exported(path, device, window)
-    from tools.cli import missing, what_is_there
+    from flags import missing, what_is_there
     try:
         there = what_is_there(path) or "a file"
         what = (f"has no {checkpoints.CHECKPOINT_META} (nor {EXPORT_CONFIG} + {EXPORT_WEIGHTS})" if path.is_dir()

@@ -1,4 +1,4 @@
-"""Sample text from a trained model: python tools/sample.py <checkpoint> --prompt "The President"
+"""Sample text from a trained model: python -m tools.sample <checkpoint> --prompt "The President"
 
 <checkpoint> is a step_N/ folder train_gpt.py wrote (final or mid-run) or a folder tools/export.py wrote.
 The prompt starts a document (an <|endoftext|> token goes first, as in training; "<|endoftext|>" inside
@@ -14,16 +14,12 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from pathlib import Path
 
 import torch
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from tools.cli import OneLineArgumentParser, integer, number  # noqa: E402
-import evaluation  # noqa: E402
-from tools.loading import T, load_model, run_tool  # noqa: E402
+import evaluation
+from flags import integer, number, run_cli
+from tools.loading import T, load_model, model_parser
 
 EOT = T.EOT_TOKEN
 # Below this a temperature divides the logits past float32's range (NaN probabilities); 0 is greedy already.
@@ -48,8 +44,7 @@ def encode_prompt(enc, text: str) -> list[int]:
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
-    p = OneLineArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("checkpoint", help="step_N/ folder of train_gpt.py, or a tools/export.py folder")
+    p = model_parser(__doc__)
     p.add_argument("--prompt", default="", help="text the samples continue (default: none, a fresh document)")
     p.add_argument("--max_new_tokens", type=integer(1), default=100, help="at least 1 (default %(default)s)")
     p.add_argument("--temperature", type=number(MIN_TEMPERATURE, also=(0.0,)), default=1.0,
@@ -59,9 +54,6 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--num_samples", type=integer(1), default=1)
     p.add_argument("--kv_cache", default="true", choices=["true", "false"],
                    help="false: a full forward over the prefix for every token (slow; for comparison)")
-    p.add_argument("--window", default="step", choices=["step", "final"],
-                   help="attention window of the checkpoint's step, or the schedule's final one")
-    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     return p.parse_args(argv)
 
 
@@ -99,4 +91,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(run_tool(main))
+    sys.exit(run_cli(main))
