@@ -553,14 +553,6 @@ def run_curve(path: Path | None, end_step: int) -> list[list]:
             for step, record in sorted(recorded_validations(path, end_step).items()) if record["val_loss"] is not None]
 
 
-def target_among(validations: dict[int, dict], target: float) -> dict | None:
-    """Where the first of these validations reached the target loss (as train_gpt's target_reached records it)."""
-    first = next((r for _, r in sorted(validations.items()) if r.get("val_loss") is not None and
-                  r["val_loss"] <= target), None)
-    return first and {"val_loss": target, "reached_val_loss": first["val_loss"], "step": first["step"],
-                      "train_time_ms": first["train_time_ms"], "tokens": first["tokens"], "energy_j": first["energy_j"]}
-
-
 def finite_or_none(value):
     """A JSON-safe number: NaN and infinities (JSON has none) become null."""
     if isinstance(value, float) and not math.isfinite(value):

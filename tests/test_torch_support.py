@@ -21,7 +21,6 @@ def supported_minors():
 def test_the_readme_requirements_and_ci_agree_on_the_supported_torch():
     """docs/supported-torch.md's table has a row for every release of the trainer's range, the pin is the
     trainer's, and CI runs the torch_range subset (registered in pyproject.toml) under a second release of the range."""
-    import train_gpt as T
     assert f"torch=={lifecycle.PINNED_TORCH}" in (REPO / "requirements.txt").read_text().splitlines()
     section = (REPO / "docs" / "supported-torch.md").read_text()
     rows = {m[1]: m[0] for m in re.finditer(r"^\| *(\d+\.\d+)[^|]*\|.*$", section, re.M)}
