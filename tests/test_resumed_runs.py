@@ -10,10 +10,8 @@ import types
 import pytest
 
 import runlog
-from conftest import REPO, TINY, run_main
-
-sys.path.insert(0, str(REPO))
-from records import read_records as rr  # noqa: E402
+from conftest import TINY, run_main
+from records import read_records as rr
 
 STOPPED = TINY + ["--checkpoint_every=2"]
 
