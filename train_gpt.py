@@ -272,8 +272,10 @@ def help_text(overrides: dict[str, object]) -> str:
         "preset's value.", *help_lines(chosen, others, same=("preset",))])
 
 
-def resolve_hyperparameters(overrides: dict[str, object], cuda_available: bool) -> Hyperparameters:
-    """The command line's values on top of its recipe's, on top of its preset's; validated."""
+def resolve_hyperparameters(overrides: dict[str, object], cuda_available: bool,
+                            check_unused: bool = True) -> Hyperparameters:
+    """The command line's values on top of its recipe's, on top of its preset's; validated (check_unused: the
+    flags it sets that the run would never use too; a resumed run checks them on its checkpoint's values)."""
     preset = overrides.get("preset", "auto")
     if preset == "auto":
         preset = "speedrun" if cuda_available else "cpu"
@@ -283,7 +285,7 @@ def resolve_hyperparameters(overrides: dict[str, object], cuda_available: bool) 
     if recipe not in RECIPES:
         raise UsageError(f"unknown recipe {recipe!r}; valid recipes: {', '.join(RECIPES)}")
     args = Hyperparameters(**{**PRESETS[preset], **RECIPES[recipe][preset], **overrides, "preset": preset})
-    validate_args(args)
+    validate_args(args, overrides if check_unused else None)
     return args
 
 
@@ -317,7 +319,7 @@ def resumed_hyperparameters(recorded: dict, overrides: dict[str, object], fresh:
                              "is edited or corrupt; resume from an earlier checkpoint")
         carried[name] = float(value) if kinds[name].kind is float and value is not None else value
     args = Hyperparameters(**{**dataclasses.asdict(fresh), **carried, **overrides})
-    validate_args(args)
+    validate_args(args, overrides)
     kept = [f"{n}={flag_text(v)}" for n, v in carried.items() if v != getattr(fresh, n)]
     changed = [f"{n}={flag_text(v)} (checkpoint: {flag_text(recorded[n])})" for n, v in overrides.items()
                if n in recorded and n not in PER_LAUNCH_FIELDS and v != recorded[n]]
@@ -348,6 +350,29 @@ class Refusal:
 
 
 @dataclass(frozen=True)
+class OnlyWhen:
+    """Flags that do nothing unless a condition on other flags holds: a command line that sets one of them (off
+    its default) while the condition fails is refused, since the run would log a value it never uses."""
+    flags: tuple[str, ...]
+    holds: typing.Callable[[Hyperparameters], bool]
+    why: typing.Callable[[Hyperparameters, str], str]  # the one line for a flag set while the condition fails
+    default_too: bool = False  # a range that depends on another value: its default, set explicitly, is refused too
+
+
+def only_if(flags: tuple[str, ...], holds: typing.Callable[[Hyperparameters], bool], needs: str,
+            has: typing.Callable[[Hyperparameters], str]) -> OnlyWhen:
+    """Flags that matter only when `holds`: `needs` says what meets it, `has` what this run has instead."""
+    return OnlyWhen(flags, holds, lambda a, name: f"--{name}={flag_text(getattr(a, name))} only matters with {needs}, "
+                                                  f"and this run has {has(a)}: drop --{name} or pass {needs}")
+
+
+def only_with(*flags: str, switch: str, on: bool = True) -> OnlyWhen:
+    """Flags that matter only while the boolean flag `switch` is `on`."""
+    return only_if(flags, lambda a: getattr(a, switch) == on, f"--{switch}={flag_text(on)}",
+                   lambda a: f"--{switch}={flag_text(getattr(a, switch))}")
+
+
+@dataclass(frozen=True)
 class Technique:
     """One technique of recipe v2: validation, the recipes, checkpoints, decoding, the optimizer's gate groups,
     bench/ablation.py's variants and the README's Recipes table (a test holds it to this) all read it from here.
@@ -363,6 +388,7 @@ class Technique:
     reads_previous_token: bool = False  # the KV cache cannot extend it: decoding reruns the history
     gate_lrs: dict[str, float] = dataclasses.field(default_factory=dict)  # its gates' lr, a fraction of scalar_lr
     optimizer_state: bool = False  # it changes what the optimizer keeps, so a checkpoint must agree on it
+    only_when: tuple[OnlyWhen, ...] = ()  # its flags that do nothing unless another setting holds
 
     @property
     def switch(self) -> str:
@@ -425,7 +451,9 @@ TECHNIQUES: tuple[Technique, ...] = (
         # Its lrs are set for its first batch and scaled up by (batch / 131072) ** 0.6: Muon 0.023 -> 0.0444 at
         # the final batch, ours' base; its cooldown floor is 0.1 of the first stage's lr.
         {"speedrun": dict(batch_schedule="1/3,2/3,1", cooldown_frac=0.55, muon_lr=0.0444, lr_final_frac=0.0518),
-         "cpu": dict(batch_schedule="1/3,2/3,1", cooldown_frac=0.55), "medium": {}}),
+         "cpu": dict(batch_schedule="1/3,2/3,1", cooldown_frac=0.55), "medium": {}},
+        only_when=(only_if(("batch_lr_exponent",), lambda a: a.batch_schedule != "", "a --batch_schedule",
+                           lambda a: "none (one batch size, whose lrs are the base)"),)),
     Technique(  # sequences start at a document; documents are cut at the record's max_seq_len
         "doc_align", ("2025-07-12_BosAlign", "2025-09-03_FA3"), "data",
         {"bos_align": ANY_BOOL, "doc_len_cap": integer(0)},
@@ -445,14 +473,17 @@ TECHNIQUES: tuple[Technique, ...] = (
     Technique(
         "normuon", ("2025-10-24_NorMuon", "2025-10-27_FixMuonLR"), "optimizer",
         {"normuon": ANY_BOOL, "normuon_beta2": BETA}, everywhere(normuon=True),
-        refusals=(needs_muon("normuon"),), optimizer_state=True),
+        refusals=(needs_muon("normuon"),), optimizer_state=True,
+        only_when=(only_with("normuon_beta2", switch="normuon"),)),
     Technique(
         "cautious_wd", ("2025-11-10_CautiousWD", "2025-12-18_CautiousWDAdam"), "optimizer",
         {"cautious_wd": ANY_BOOL, "muon_cautious_wd": number(0.0), "adam_cautious_wd": number(0.0)},
         everywhere(cautious_wd=True),
         refusals=(Refusal(lambda a: a.cautious_wd and a.weight_decay,
                           lambda a: f"--cautious_wd=true replaces the plain decay --weight_decay={a.weight_decay}; "
-                                    "pass one of them"),)),
+                                    "pass one of them"),),
+        only_when=(only_with("muon_cautious_wd", "adam_cautious_wd", switch="cautious_wd"),
+                   only_with("muon_cautious_wd", switch="muon"))),
     Technique(
         "smoothed_scalars", ("2025-12-21_SmoothedScalars",), "optimizer",
         {"scalar_adam_beta1": OPTIONAL_BETA, "scalar_adam_beta2": OPTIONAL_BETA},
@@ -475,7 +506,9 @@ TECHNIQUES: tuple[Technique, ...] = (
             Refusal(lambda a: a.bigram_dim > a.model_dim,
                     lambda a: f"--bigram_dim={a.bigram_dim} is wider than the stream it is added to (--model_dim="
                               f"{a.model_dim}); pass at most that, or 0 for the full width")),
-        reads_previous_token=True),
+        reads_previous_token=True,
+        only_when=(only_if(("bigram_dim",), lambda a: a.bigram_vocab_size > 0, "a --bigram_vocab_size above 0",
+                           lambda a: "--bigram_vocab_size=0 (no bigram table)"),)),
     Technique(
         "smear", ("2025-09-18_Smear",), "model", {"smear": ANY_BOOL}, everywhere(smear=True),
         refusals=(gates_need_width("smear"),), reads_previous_token=True, gate_lrs={"smear_gate": 0.01 / 5}),
@@ -523,12 +556,23 @@ TECHNIQUES: tuple[Technique, ...] = (
         "mtp", ("2025-12-22_MultiTokenPrediction",), "loss", {"mtp_tokens": integer(1), "mtp_frac": UNIT_OPEN},
         {"speedrun": dict(mtp_tokens=3), "medium": {}},
         left_out={"cpu": "it does not pay at this scale: +0.015 of validation loss, inside the seed noise, for 9.5% "
-                         "more time per step (bench/results/v2)"}),
+                         "more time per step (bench/results/v2)"},
+        refusals=(Refusal(lambda a: a.mtp_tokens > a.seq_len,
+                          lambda a: f"--mtp_tokens={a.mtp_tokens} predicts more tokens than a --seq_len={a.seq_len} "
+                                    f"sequence holds; pass at most {a.seq_len} (the records use 3)"),),
+        only_when=(only_if(("mtp_frac",), lambda a: a.mtp_tokens > 1, "--mtp_tokens=2 or more",
+                           lambda a: "--mtp_tokens=1 (the next-token loss alone)"),)),
     # Track 2's own layout and windows (records/track_2_medium/): the medium preset's record recipe sets them; the
     # short track's records keep the 2025-01-26 layout, so recipe v2 leaves them out there.
     Technique(
         "value_embed_tables", ("2025-08-28_Medium_NewValemb",), "model", {"value_embed_tables": integer(1)},
-        {"medium": {}}, left_out=only_track_2("three value-embedding tables")),
+        {"medium": {}}, left_out=only_track_2("three value-embedding tables"),
+        only_when=(only_with("value_embed_tables", switch="value_embeds"),
+                   OnlyWhen(("value_embed_tables",), lambda a: a.value_embed_tables <= a.n_layer // 2,
+                            lambda a, name: f"--value_embed_tables={a.value_embed_tables} is more tables than "
+                            f"--n_layer={a.n_layer} uses (one per encoder layer: {a.n_layer // 2}); pass "
+                            f"--value_embed_tables={a.n_layer // 2} or fewer, or --n_layer={2 * a.value_embed_tables}",
+                            default_too=True))),
     Technique(
         "attention_free_layer", ("2025-12-31_BulkSmallTrackTransfer",), "model", {"attention_free_layer": ANY_BOOL},
         {"medium": {}}, left_out=only_track_2("the attention-free layer after the middle")),
@@ -539,10 +583,15 @@ TECHNIQUES: tuple[Technique, ...] = (
         {"medium": {}}, left_out=only_track_2("the linear window growth"),
         refusals=(Refusal(lambda a: a.window_stages and not a.sliding_window,
                           lambda a: "--window_stages sets the sliding windows, which --sliding_window=false turns "
-                                    "off; pass one of them"),)),
+                                    "off; pass one of them"),
+                  Refusal(lambda a: len(window_stage_blocks(a.window_stages) or ()) > a.num_iterations,
+                          lambda a: f"--window_stages has {len(window_stage_blocks(a.window_stages))} stages but "
+                                    f"--num_iterations={a.num_iterations} has fewer steps, so some would never be "
+                                    "used; pass fewer stages or more steps"))),
     Technique(
         "short_window_cap", ("2025-12-31_BulkSmallTrackTransfer",), "model", {"short_window_cap": integer(0)},
-        {"medium": {}}, left_out=only_track_2("short windows of half the long one")),
+        {"medium": {}}, left_out=only_track_2("short windows of half the long one"),
+        only_when=(only_with("short_window_cap", switch="sliding_window"),)),
 )
 
 # Recipe v2's batch geometry per preset, which the batch schedule's stages must split into whole sequences:
@@ -591,13 +640,14 @@ def check_techniques(args: Hyperparameters) -> None:
 # -----------------------------------------------------------------------------
 # Validation: each flag's range, and the relations between flags
 
+MAX_STEPS = 10**9  # years of steps at any speed: a larger count is a typo, and the step counters stay machine-sized
 # Every Hyperparameters field and what it accepts (a technique's own flags: its declaration); validate_args
 # refuses a field missing here.
 FLAG_RULES: dict[str, Rule] = {
     "preset": one_of(*PRESETS), "recipe": one_of(*RECIPES), "seed": integer(0, 2**63 - 1),
     "train_files": NON_EMPTY, "val_files": NON_EMPTY, "val_tokens": integer(1), "train_cycle": ANY_BOOL,
     "batch_tokens": integer(1), "seq_len": integer(BLOCK_SIZE),
-    "val_seq_len": integer(BLOCK_SIZE), "num_iterations": integer(1), "cooldown_frac": UNIT, "lr_final_frac": UNIT,
+    "val_seq_len": integer(BLOCK_SIZE), "num_iterations": integer(1, MAX_STEPS), "cooldown_frac": UNIT, "lr_final_frac": UNIT,
     "val_every": integer(0), "window_final_tokens": integer(1), "sliding_window": ANY_BOOL,
     "vocab_size": integer(1), "n_layer": integer(2), "model_dim": integer(1), "n_head": integer(1),
     "head_dim": integer(4), "attn_scale": number(0.0, lo_open=True), "logit_softcap": number(0.0),
@@ -617,6 +667,37 @@ FLAG_RULES: dict[str, Rule] = {
     "hellaswag_every": integer(0), "hellaswag_data": ANY_TEXT, "sample_at_end": integer(0),
     **{name: rule for technique in TECHNIQUES for name, rule in technique.flags.items()},
 }
+
+
+# The flags outside TECHNIQUES that do nothing unless another setting holds (a technique declares its own).
+ONLY_WHEN: tuple[OnlyWhen, ...] = (
+    only_with("muon_lr", "muon_momentum", "muon_momentum_start", "muon_momentum_warmup_steps", "ns_steps",
+              switch="muon"),
+    only_with("matrix_adam_lr", switch="muon", on=False),
+    only_if(("logit_temperature",), lambda a: a.logit_softcap > 0, "a --logit_softcap above 0",
+            lambda a: "--logit_softcap=0 (no softcap)"),
+    only_if(("window_final_tokens",), lambda a: a.sliding_window and not a.window_stages,
+            "--sliding_window=true and no --window_stages",
+            lambda a: f"--window_stages={a.window_stages}" if a.window_stages else "--sliding_window=false"),
+    only_if(("hellaswag_data",), lambda a: a.hellaswag_every > 0, "a --hellaswag_every above 0",
+            lambda a: "--hellaswag_every=0 (no HellaSwag)"),
+    OnlyWhen(("stop_after",), lambda a: a.stop_after < a.num_iterations,
+             lambda a, name: f"--stop_after={a.stop_after} is at or past the last step (--num_iterations="
+                             f"{a.num_iterations}), so it never stops the run: pass a step before it, or drop it"),
+    only_if(("coordinate_descent_tuning",), lambda a: a.compile in ("model", "auto"), "--compile=model",
+            lambda a: f"--compile={a.compile}"),
+    *(rule for technique in TECHNIQUES for rule in technique.only_when),
+)
+
+
+def check_only_when(args: Hyperparameters, explicit: typing.Collection[str]) -> None:
+    """Refuses, in one line, a flag the command line sets that this run would never use (ONLY_WHEN): the run log
+    would record a value that changed nothing."""
+    for rule in ONLY_WHEN:
+        for name in rule.flags:
+            if name in explicit and not rule.holds(args) and (
+                    rule.default_too or getattr(args, name) != getattr(Hyperparameters, name)):
+                raise UsageError(rule.why(args, name))
 
 
 def check_flag_ranges(args: Hyperparameters) -> None:
@@ -650,8 +731,9 @@ def check_batch_schedule(args: Hyperparameters) -> None:
                              f"{args.seq_len}; use multiples of {unit} (one sequence) for every stage")
 
 
-def validate_args(args: Hyperparameters) -> None:
-    """Refuses, in one line, any value or combination of values the run would trip over later."""
+def validate_args(args: Hyperparameters, explicit: typing.Collection[str] | None = None) -> None:
+    """Refuses, in one line, any value or combination of values the run would trip over later, and (given the
+    flags the command line set) any of them this run would never use."""
     check_flag_ranges(args)
     # Relations between flags, once every flag is in range.
     for name in ("seq_len", "val_seq_len"):
@@ -669,6 +751,8 @@ def validate_args(args: Hyperparameters) -> None:
                          "change one of them or pass --value_embeds=false")
     check_batch_schedule(args)
     check_techniques(args)
+    if explicit is not None:
+        check_only_when(args, explicit)
     if args.resume == "auto" and not args.run_id:
         raise UsageError("--resume=auto needs --run_id=NAME: a restarted run finds its checkpoints under "
                          "log_dir/NAME (and never another run's)")
@@ -768,11 +852,43 @@ def fp8_supported(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
 
 
+TORCHRUN_HINT = "launch with torchrun (torchrun --standalone --nproc_per_node=N train_gpt.py), which sets them all"
+
+
+def launch_variable(name: str, default: int, lo: int, hi: int | None = None) -> int:
+    """An integer that torchrun sets in the environment; one line naming it when it is malformed or out of range."""
+    text = os.environ.get(name, "").strip()
+    if text == "":
+        return default
+    try:
+        value = int(text)
+    except ValueError:
+        value = None
+    if value is None or value < lo or (hi is not None and value > hi):
+        valid = f"an integer at least {lo}" if hi is None else f"an integer in [{lo}, {hi}]"
+        raise UsageError(f"environment variable {name}={text!r} is not {valid}: unset it for a one-process run, "
+                         f"or {TORCHRUN_HINT}")
+    return value
+
+
+def launch_environment() -> tuple[int, int, int]:
+    """(rank, local_rank, world_size) from torchrun's variables, checked before any of them is used: a process
+    group joined with a bad one hangs or fails deep in torch."""
+    world_size = launch_variable("WORLD_SIZE", 1, 1)
+    rank = launch_variable("RANK", 0, 0, world_size - 1)
+    local_rank = launch_variable("LOCAL_RANK", 0, 0, world_size - 1)
+    if world_size > 1:
+        for name in ("MASTER_ADDR", "MASTER_PORT"):
+            if not os.environ.get(name, "").strip():
+                raise UsageError(f"environment variable WORLD_SIZE={world_size} asks for a distributed run, but "
+                                 f"{name} is not set: set MASTER_ADDR and MASTER_PORT, or {TORCHRUN_HINT}")
+        launch_variable("MASTER_PORT", 0, 1, 65535)
+    return rank, local_rank, world_size
+
+
 def join_process_group(args: Hyperparameters) -> Place:
     """This process's rank and device; joins the process group when launched by torchrun."""
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    rank = int(os.environ.get("RANK", "0"))
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    rank, local_rank, world_size = launch_environment()
     if torch.cuda.is_available():
         if local_rank >= torch.cuda.device_count():
             raise UsageError(f"local rank {local_rank} has no GPU ({torch.cuda.device_count()} visible); "
@@ -805,6 +921,9 @@ def setup_runtime(args: Hyperparameters) -> Runtime:
 def choose_kernels(args: Hyperparameters, device_type: str, fp8_capable: bool) -> dict:
     """Runtime's kernel choices for a device: attention, FP8 head, what is compiled, the head + loss path."""
     attention = args.attention if args.attention != "auto" else ("flex" if device_type == "cuda" else "banded")
+    if attention == "flex" and device_type != "cuda":  # torch's flex_attention has no backward off CUDA
+        raise UsageError(f"--attention=flex needs a CUDA GPU and this run is on {device_type}: pass --attention=banded "
+                         "(or auto, which picks it off CUDA)")
     # Inductor's CPU codegen is not reliable for the whole model; the loss alone is the big CPU win.
     compile_mode = args.compile if args.compile != "auto" else ("model" if device_type == "cuda" else "loss")
     fp8_head = args.fp8_head and fp8_capable
@@ -1023,12 +1142,31 @@ class DistributedTokenLoader:
         return [to_device(chunks[i], self.device) for i in range(self.rank, len(chunks), self.world_size)]
 
 
+def check_validation_budget(files: list[Path], args: Hyperparameters) -> None:
+    """Refuses a --val_tokens the shards cannot fill: a shard of n tokens holds (n - 1) // val_seq_len sequences
+    (each takes one token more, its last target, and none spans two shards), as TokenStream.take cuts them."""
+    counts = [shard_token_count(f) for f in files]
+    have = sum(max(n - 1, 0) // args.val_seq_len for n in counts)
+    need = args.val_tokens // args.val_seq_len
+    if have < need:
+        fix = (f"pass --val_tokens={have * args.val_seq_len} or fewer" if have else
+               "pass a smaller --val_seq_len or more validation shards")
+        raise UsageError(f"--val_tokens={args.val_tokens} is {need} sequences of --val_seq_len={args.val_seq_len} "
+                         f"tokens, each with one token more (its last target), and the validation shards ({sum(counts)} "
+                         f"tokens in {len(files)} shard(s)) hold {have}: {fix}")
+
+
+def check_data(args: Hyperparameters, is_master: bool) -> None:
+    """Every shard the run reads exists and has a sound header, and the validation shards fill --val_tokens: checked
+    before the run's folder exists, so that a refused launch writes nothing."""
+    for f in progress_bar(find_shards(args.train_files, "training"), "checking shards", is_master, unit="shard"):
+        shard_token_count(f)
+    check_validation_budget(find_shards(args.val_files, "validation"), args)
+
+
 def validation_sequences(files: list[Path], args: Hyperparameters, rank: int, world_size: int) -> list[np.ndarray]:
     """This rank's share of the fixed validation budget (sequence i goes to rank i % world_size)."""
-    total = sum(shard_token_count(f) for f in files)
-    if total < args.val_tokens + 1:
-        raise UsageError(f"--val_tokens={args.val_tokens} but the validation shards hold only {total} tokens; "
-                         "lower --val_tokens")
+    check_validation_budget(files, args)
     stream = TokenStream(files, args.vocab_size, cycle=False)
     seqs = [np.array(stream.take(args.val_seq_len)) for _ in range(args.val_tokens // args.val_seq_len)]
     return seqs[rank::world_size]
@@ -2371,8 +2509,10 @@ class BatchSchedule:
         return -(-stage * self.num_iterations // len(self.stage_tokens))
 
     def tokens_before(self, step: int) -> int:
-        """Training tokens of steps 0 .. step-1 (what a validation at `step` has seen)."""
-        return sum(self.tokens(s) for s in range(step))
+        """Training tokens of steps 0 .. step-1 (what a validation at `step` has seen), summed stage by stage."""
+        starts = [self.first_step(i) for i in range(len(self.stage_tokens))]
+        ends = starts[1:] + [step]  # the last stage runs on past num_iterations (a warm-up longer than the run)
+        return sum(tokens * max(0, min(step, end) - begin) for tokens, begin, end in zip(self.stage_tokens, starts, ends))
 
 
 def batch_schedule(args: Hyperparameters, world_size: int) -> BatchSchedule:
@@ -2448,25 +2588,63 @@ def window_tensor(long_blocks: int, device: torch.device | str | None = None, sh
     return torch.tensor(window_pair(long_blocks, short_cap), dtype=torch.int64, device=device)
 
 
+MAX_EAGER_WINDOWS = 4096  # more distinct windows than this (absurd flags) are made as steps reach them
+MTP_TABLE_ROWS = 65536  # MTP weight rows on the device at once: a longer run refills them once per this many steps
+
+
+def window_pairs(args: Hyperparameters) -> set[tuple[int, int]] | None:
+    """Every (long, short) window pair the schedule can reach, found stage by stage or block by block rather than
+    step by step (a superset where blocks are skipped); None when there are more than MAX_EAGER_WINDOWS."""
+    if not args.sliding_window:
+        return {attention_windows(0, args)}
+    if args.window_stages:
+        return {window_pair(blocks, args.short_window_cap) for blocks in window_stage_blocks(args.window_stages)}
+    final_blocks = max(next_multiple(args.window_final_tokens, BLOCK_SIZE) // BLOCK_SIZE, 1)  # the growth's end
+    if final_blocks <= MAX_EAGER_WINDOWS:
+        return {window_pair(blocks, args.short_window_cap) for blocks in range(1, final_blocks + 1)}
+    if args.num_iterations < MAX_EAGER_WINDOWS:
+        return {attention_windows(step, args) for step in range(args.num_iterations + 1)}
+    return None
+
+
 class StepTensors:
-    """The schedules' per-step model inputs, made on the device once at start-up: a training step indexes
-    them and never copies from the host (a copy from pageable memory waits for the device to drain)."""
+    """The schedules' per-step model inputs, made on the device at start-up: a training step indexes them and
+    never copies from the host (a copy from pageable memory waits for the device to drain). Nothing here walks
+    every step: the windows come from the schedule's stages, the MTP weights a block of steps at a time."""
 
     def __init__(self, args: Hyperparameters, device: torch.device):
-        self.args = args
-        pairs = {attention_windows(step, args) for step in range(args.num_iterations + 1)}
-        self.window_tensors = {pair: torch.tensor(pair, dtype=torch.int64, device=device) for pair in pairs}
-        self.mtp_table = torch.tensor([mtp_loss_weights(step, args.num_iterations, args.mtp_tokens, args.mtp_frac)
-                                       for step in range(args.num_iterations + 1)], device=device) \
-            if args.mtp_tokens > 1 else None
+        self.args, self.device = args, device
+        self.window_tensors = {pair: torch.tensor(pair, dtype=torch.int64, device=device)
+                               for pair in window_pairs(args) or ()}
+        # after the MTP phase every step has the same weights (the next token alone): the table ends there
+        self.mtp_last = min(args.num_iterations, math.ceil(args.num_iterations * args.mtp_frac))
+        self.mtp_table, self.mtp_first = None, 0
+        if args.mtp_tokens > 1:
+            self.mtp_rows(0)
 
     def windows(self, step: int) -> Tensor:
         """The step's (long, short) windows; past the last step (a warm-up longer than the run) the last one's."""
-        return self.window_tensors[attention_windows(min(step, self.args.num_iterations), self.args)]
+        pair = attention_windows(min(step, self.args.num_iterations), self.args)
+        if pair not in self.window_tensors:  # only where window_pairs gave up: flags far beyond any record's
+            self.window_tensors[pair] = torch.tensor(pair, dtype=torch.int64, device=self.device)
+        return self.window_tensors[pair]
+
+    def mtp_rows(self, first: int) -> None:
+        """The MTP weights of steps first .. first + MTP_TABLE_ROWS - 1 (at most to the end of the phase)."""
+        steps = range(first, min(first + MTP_TABLE_ROWS, self.mtp_last + 1))
+        a = self.args
+        self.mtp_table = torch.tensor([mtp_loss_weights(s, a.num_iterations, a.mtp_tokens, a.mtp_frac) for s in steps],
+                                      device=self.device)
+        self.mtp_first = first
 
     def mtp_weights(self, step: int) -> list[Tensor]:
         """The model's optional loss-weights input: [the step's row] under --mtp_tokens > 1, else []."""
-        return [] if self.mtp_table is None else [self.mtp_table[min(step, self.args.num_iterations)]]
+        if self.mtp_table is None:
+            return []
+        step = min(step, self.mtp_last)
+        if not self.mtp_first <= step < self.mtp_first + len(self.mtp_table):
+            self.mtp_rows(step - step % MTP_TABLE_ROWS)
+        return [self.mtp_table[step - self.mtp_first]]
 
 
 # -----------------------------------------------------------------------------
@@ -2560,11 +2738,9 @@ def start(argv: list[str]) -> tuple[Hyperparameters, Runtime, RunFolder, Path | 
     world size or checkpoint can fail, fails here. Also returns lines for the run log."""
     overrides = parse_overrides(Hyperparameters, argv)
     check_torch_install(overrides.get("preset"))  # a torch outside the range, or one that cannot use this node's GPUs
-    args = resolve_hyperparameters(overrides, torch.cuda.is_available())
+    # A resumed run's unused flags are judged on its checkpoint's values, not on this preset's.
+    args = resolve_hyperparameters(overrides, torch.cuda.is_available(), check_unused=not overrides.get("resume"))
     place = join_process_group(args)
-    if place.is_master and args.preset == "cpu" and not torch.cuda.is_available() and "preset" not in overrides:
-        print("no GPU found: running the cpu preset (small model, bundled sample data); "
-              "pass --preset=speedrun to force the reference recipe", flush=True)
     batch_schedule(args, place.world_size)  # a world size that cannot split the batch is refused first
     checkpoint, notes = choose_checkpoint(args.resume, Path(args.log_dir), args.run_id, place) if args.resume \
         else (None, [])
@@ -2572,8 +2748,17 @@ def start(argv: list[str]) -> tuple[Hyperparameters, Runtime, RunFolder, Path | 
         meta = read_checkpoint_meta(checkpoint)
         args, resumed = resumed_hyperparameters(meta["hyperparameters"], overrides, args, checkpoint)
         check_compatible(checkpoint, meta, args)
+        batch_schedule(args, place.world_size)  # the checkpoint's batch on this launch's world size
         notes += resumed
+    else:
+        validate_args(args, overrides)  # --resume=auto that found nothing is a fresh run
+    # a resumed run continues its checkpoint's preset, which its notes name
+    if (place.is_master and checkpoint is None and args.preset == "cpu" and not torch.cuda.is_available()
+            and "preset" not in overrides):
+        print("no GPU found: running the cpu preset (small model, bundled sample data); "
+              "pass --preset=speedrun to force the reference recipe", flush=True)
     rt = choose_runtime(place, args)
+    check_data(args, place.is_master)
     folder = claim_run_folder(Path(args.log_dir), args.run_id, args.preset, args.resume, rt, checkpoint)
     return args, rt, folder, checkpoint, notes
 
@@ -2581,10 +2766,8 @@ def start(argv: list[str]) -> tuple[Hyperparameters, Runtime, RunFolder, Path | 
 def set_up(args: Hyperparameters, rt: Runtime, folder: RunFolder, log: RunLog, started: float,
            batches: BatchSchedule, sources: dict[str, str]) -> Run:
     """Data, model and optimizers: everything that can fail on bad input fails here, before step 0."""
-    train_files = find_shards(args.train_files, "training")
+    train_files = find_shards(args.train_files, "training")  # start() checked them (check_data)
     val_files = find_shards(args.val_files, "validation")
-    for f in progress_bar(train_files, "checking shards", rt.is_master, unit="shard"):
-        shard_token_count(f)
     val_seqs = validation_sequences(val_files, args, rt.rank, rt.world_size)
     torch.manual_seed(args.seed)
     model = build_model(args, rt)

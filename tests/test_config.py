@@ -79,7 +79,7 @@ def test_seq_len_not_multiple_of_block_refused(arg):
 
 
 @pytest.mark.parametrize("arg, match", [("--dtype=fp16", "bf16, fp32"), ("--attention=xformers", "flex, banded"),
-                                        ("--n_layer=3", "even depth"), ("--num_iterations=0", "at least 1")])
+                                        ("--n_layer=3", "even depth"), ("--num_iterations=0", r"in \[1, 1000000000\]")])
 def test_other_invalid_settings_refused(arg, match):
     with pytest.raises(T.UsageError, match=match):
         T.parse_args(["--preset=cpu", arg], False)
@@ -92,7 +92,7 @@ BAD_VALUES = {  # field: (a value just inside the valid range, values outside it
     "preset": ("cpu", ["fast"]), "seed": ("0", ["-1"]), "train_files": ("x", [""]), "val_files": ("x", [""]),
     "val_tokens": ("1024", ["0", "-1024"]), "train_cycle": ("true", ["maybe"]), "bos_align": ("false", ["2"]),
     "batch_tokens": ("1024", ["0"]), "seq_len": ("128", ["0", "-128"]), "val_seq_len": ("128", ["0"]),
-    "num_iterations": ("1", ["0"]), "cooldown_frac": ("0", ["-0.1", "1.5", "nan"]),
+    "num_iterations": ("1000000000", ["0", "1000000001", "12345678901234567890"]), "cooldown_frac": ("0", ["-0.1", "1.5", "nan"]),
     "lr_final_frac": ("1", ["inf", "-1"]), "val_every": ("0", ["-1"]), "window_final_tokens": ("1", ["0"]),
     "sliding_window": ("true", ["x"]), "vocab_size": ("1", ["0"]), "n_layer": ("2", ["0"]),
     "model_dim": ("1", ["0"]), "n_head": ("1", ["0"]), "head_dim": ("4", ["0"]),
@@ -137,12 +137,18 @@ def test_every_hyperparameter_has_a_rule_and_bad_values_here():
     assert set(BAD_VALUES) == names and set(T.FLAG_RULES) == names
 
 
+USED_ONLY_WITH = {"matrix_adam_lr": ["--muon=false"], "batch_lr_exponent": ["--batch_schedule=1/2,1"],
+                  "normuon_beta2": ["--normuon=true"], "muon_cautious_wd": ["--cautious_wd=true"],
+                  "adam_cautious_wd": ["--cautious_wd=true"]}
+
+
 @pytest.mark.parametrize("name", sorted(BAD_VALUES))
 def test_every_flag_refuses_a_bad_value_in_one_line_naming_it(name):
     good, bad = BAD_VALUES[name]
     base = ["--preset=cpu"] + (["--val_tokens=1024", "--val_seq_len=128"] if name in ("val_tokens", "val_seq_len")
                                else [])
     base += ["--value_embeds=false"] if name in ("model_dim", "n_head", "head_dim") else []  # frees the width
+    base += USED_ONLY_WITH.get(name, [])  # the flags under which its good value does something
     T.parse_args(base + [f"--{name}={good}"], False)
     for value in bad:
         with pytest.raises(T.UsageError) as e:
@@ -184,3 +190,87 @@ def test_a_batch_schedule_with_more_stages_than_steps_is_refused():
         T.parse_args(["--recipe=v2", "--batch_schedule=1/3,2/3,1,1,1,1,1,1,1,1", "--num_iterations=3"], False)
     assert "has 10 stages but --num_iterations=3 has fewer steps; every stage needs at least one step" in str(e.value)
     T.parse_args(["--recipe=v2", "--num_iterations=3"], False)  # one step per stage is enough
+
+
+# ----------------------------------------------------------------------------- validation: flags that would do nothing
+
+# A command line for every flag of ONLY_WHEN that sets it where it does nothing (a test below holds the table to it).
+UNUSED = {
+    "muon_lr": ["--muon=false", "--muon_lr=0.1"], "muon_momentum": ["--muon=false", "--muon_momentum=0.9"],
+    "muon_momentum_start": ["--muon=false", "--muon_momentum_start=0.9"],
+    "muon_momentum_warmup_steps": ["--muon=false", "--muon_momentum_warmup_steps=10"],
+    "ns_steps": ["--muon=false", "--ns_steps=3"], "matrix_adam_lr": ["--matrix_adam_lr=0.01"],
+    "logit_temperature": ["--logit_softcap=0", "--logit_temperature=5"],
+    "window_final_tokens": ["--sliding_window=false", "--window_final_tokens=512"],
+    "hellaswag_data": ["--hellaswag_data=h.jsonl"], "coordinate_descent_tuning": ["--coordinate_descent_tuning=false",
+                                                                                 "--compile=off"],
+    "stop_after": ["--num_iterations=10", "--stop_after=10"],
+    "batch_lr_exponent": ["--batch_lr_exponent=0.5"], "normuon_beta2": ["--normuon_beta2=0.9"],
+    "muon_cautious_wd": ["--cautious_wd=false", "--muon_cautious_wd=5"],
+    "adam_cautious_wd": ["--adam_cautious_wd=0.1"], "bigram_dim": ["--bigram_dim=32"],
+    "mtp_frac": ["--mtp_frac=0.5"], "value_embed_tables": ["--value_embeds=false", "--value_embed_tables=5"],
+    "short_window_cap": ["--sliding_window=false", "--short_window_cap=4"],
+}
+
+
+def test_every_flag_that_only_matters_under_another_has_a_refused_case_here():
+    assert {name for rule in T.ONLY_WHEN for name in rule.flags} == set(UNUSED)
+
+
+@pytest.mark.parametrize("name", sorted(UNUSED))
+def test_a_flag_set_where_it_does_nothing_is_refused_in_one_line(name):
+    """--value_embeds=false --value_embed_tables=5 or --cautious_wd=false --muon_cautious_wd=5 ran, and logged a
+    value the run never used, while --muon=false --normuon=true was refused: every such pair is refused now."""
+    with pytest.raises(T.UsageError) as e:
+        T.parse_args(["--preset=cpu", *UNUSED[name]], False)
+    message = str(e.value)
+    assert message.startswith(f"--{name}=") and "\n" not in message and ("pass" in message or "drop" in message)
+
+
+def test_the_muon_weight_decay_needs_muon_too():
+    with pytest.raises(T.UsageError, match="^--muon_cautious_wd=5.0 only matters with --muon=true, and this run has "
+                                           "--muon=false: drop --muon_cautious_wd or pass --muon=true$"):
+        T.parse_args(["--preset=cpu", "--muon=false", "--cautious_wd=true", "--muon_cautious_wd=5"], False)
+    T.parse_args(["--preset=cpu", "--muon=false", "--cautious_wd=true", "--adam_cautious_wd=0.1"], False)
+
+
+def test_more_value_embedding_tables_than_encoder_layers_is_refused():
+    """--value_embed_tables=100 on 2 layers trained with one table and logged 100."""
+    with pytest.raises(T.UsageError, match=r"^--value_embed_tables=100 is more tables than --n_layer=2 uses \(one per "
+                                           r"encoder layer: 1\); pass --value_embed_tables=1 or fewer, or "
+                                           r"--n_layer=200$"):
+        T.parse_args(["--preset=cpu", "--n_layer=2", "--value_embed_tables=100"], False)
+    with pytest.raises(T.UsageError, match="^--value_embed_tables=3 is more tables"):  # its default, set explicitly
+        T.parse_args(["--preset=cpu", "--n_layer=4", "--value_embed_tables=3"], False)
+    assert T.parse_args(["--preset=cpu", "--n_layer=2"], False).value_embed_tables == 3  # unset: one per layer
+
+
+def test_values_the_preset_or_recipe_sets_are_not_the_command_line_s_to_drop():
+    """Only what the command line sets is refused: switching a technique off leaves its preset values unused."""
+    assert not T.parse_args(["--preset=medium", "--value_embeds=false", "--ve_gates=false"], False).value_embeds
+    assert not T.parse_args(["--preset=medium", "--cautious_wd=false"], False).cautious_wd
+    # a flag set to its default (how bench/ablation.py switches a technique off) is no unused value either
+    T.parse_args(["--preset=cpu", "--recipe=v2", "--bigram_vocab_size=0", "--bigram_dim=0", "--bigram_sign=false"],
+                 False)
+
+
+def test_a_resumed_run_judges_unused_flags_on_its_checkpoint_s_values():
+    fresh = T.parse_args(["--preset=cpu"], False)
+    recorded = {**dataclasses.asdict(fresh), "normuon": True}
+    args, _ = T.resumed_hyperparameters(recorded, {"normuon_beta2": 0.9}, fresh, Path("ckpt"))
+    assert args.normuon and args.normuon_beta2 == 0.9
+    with pytest.raises(T.UsageError, match="^--normuon_beta2=0.9 only matters with --normuon=true"):
+        T.resumed_hyperparameters({**recorded, "normuon": False}, {"normuon_beta2": 0.9}, fresh, Path("ckpt"))
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--mtp_tokens=300", "--seq_len=256", "--batch_tokens=512"],
+     "--mtp_tokens=300 predicts more tokens than a --seq_len=256 sequence holds; pass at most 256"),
+    (["--preset=medium", "--num_iterations=11", "--batch_schedule="],
+     "--window_stages has 12 stages but --num_iterations=11 has fewer steps"),
+])
+def test_ranges_that_depend_on_another_flag_are_refused(argv, message):
+    """--mtp_tokens beyond the sequence was accepted and failed at the first step with a shape error."""
+    with pytest.raises(T.UsageError) as e:
+        T.parse_args(["--preset=cpu", *argv] if "--preset=medium" not in argv else argv, False)
+    assert message in str(e.value)

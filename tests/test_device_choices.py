@@ -69,3 +69,32 @@ def test_gradient_accumulation_refuses_impossible_world_size(world_size):
     with pytest.raises(T.UsageError) as e:
         T.batch_schedule(speedrun(), world_size)
     assert f"world size {world_size}" in str(e.value) and "[1, 2, 4, 8]" in str(e.value)
+
+
+def test_flex_attention_off_cuda_is_refused_at_start_up():
+    """--attention=flex on a CPU was accepted and failed with NotImplementedError at the first backward."""
+    args = T.parse_args(["--preset=cpu", "--attention=flex"], False)
+    with pytest.raises(T.UsageError, match=r"^--attention=flex needs a CUDA GPU and this run is on cpu: pass "
+                                           r"--attention=banded \(or auto, which picks it off CUDA\)$"):
+        T.choose_kernels(args, "cpu", fp8_capable=False)
+
+
+@pytest.mark.parametrize("env, message", [
+    ({"WORLD_SIZE": "2"}, "environment variable WORLD_SIZE=2 asks for a distributed run, but MASTER_ADDR is not set"),
+    ({"WORLD_SIZE": "2", "MASTER_ADDR": "localhost"}, "but MASTER_PORT is not set"),
+    ({"WORLD_SIZE": "2", "MASTER_ADDR": "localhost", "MASTER_PORT": "http"}, "MASTER_PORT='http' is not an integer in "
+                                                                            "[1, 65535]"),
+    ({"RANK": "abc"}, "environment variable RANK='abc' is not an integer in [0, 0]"),
+    ({"WORLD_SIZE": "0"}, "environment variable WORLD_SIZE='0' is not an integer at least 1"),
+    ({"WORLD_SIZE": "2", "RANK": "2", "MASTER_ADDR": "x", "MASTER_PORT": "1"}, "RANK='2' is not an integer in [0, 1]"),
+    ({"LOCAL_RANK": "-1"}, "LOCAL_RANK='-1' is not an integer in [0, 0]"),
+])
+def test_torchrun_s_environment_variables_are_checked_before_use(monkeypatch, env, message):
+    """WORLD_SIZE=2 without MASTER_ADDR, RANK=abc and WORLD_SIZE=0 ended in tracebacks from int() or torch."""
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(T.UsageError) as e:
+        T.join_process_group(T.parse_args(["--preset=cpu"], False))
+    assert message in str(e.value) and "torchrun" in str(e.value) and "\n" not in str(e.value)

@@ -468,3 +468,50 @@ def test_ctrl_c_while_torch_imports_is_one_line(tmp_path):
     out, err = proc.communicate(timeout=60)
     line = one_line_error(subprocess.CompletedProcess([], proc.returncode, out, err), 128 + signal.SIGINT)
     assert line == T.stopped_before_training(signal.SIGINT) and out == "" and not list(tmp_path.iterdir())
+
+
+# ------------------------------------------------ a refused launch writes nothing
+
+def test_a_refused_launch_writes_nothing_so_the_corrected_one_keeps_its_run_id(tmp_path):
+    """--val_tokens as large as the shards was refused with 'the shards hold only 262144 tokens' after the run log
+    existed, so the corrected relaunch under the same --run_id was refused as a second run of that id."""
+    logs = tmp_path / "logs"
+    line = one_line_error(run_main(TINY + ["--val_tokens=262144", "--run_id=same"], logs))
+    assert line == ("error: --val_tokens=262144 is 1024 sequences of --val_seq_len=256 tokens, each with one token "
+                    "more (its last target), and the validation shards (262144 tokens in 1 shard(s)) hold 1023: pass "
+                    "--val_tokens=261888 or fewer")
+    assert not logs.exists() or not list(logs.iterdir())
+    result = run_main(TINY + ["--num_iterations=1", "--val_every=0", "--run_id=same"], logs)
+    assert result.returncode == 0, result.stderr[-2000:]
+
+
+@pytest.mark.parametrize("argv, env, message", [
+    (["--attention=flex"], {}, "--attention=flex needs a CUDA GPU"),
+    (["--mtp_tokens=300"], {}, "--mtp_tokens=300 predicts more tokens than a --seq_len=256 sequence holds"),
+    (["--value_embed_tables=100"], {}, "--value_embed_tables=100 is more tables than --n_layer=2 uses"),
+    ([], {"WORLD_SIZE": "2"}, "WORLD_SIZE=2 asks for a distributed run, but MASTER_ADDR is not set"),
+    ([], {"RANK": "abc"}, "RANK='abc' is not an integer"),
+    ([], {"WORLD_SIZE": "0"}, "WORLD_SIZE='0' is not an integer at least 1"),
+])
+def test_start_up_refusals_are_one_line_and_write_nothing(tmp_path, monkeypatch, argv, env, message):
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    logs = tmp_path / "logs"
+    line = one_line_error(run_main(TINY + argv + ["--run_id=x"], logs))
+    assert message in line
+    assert not logs.exists() or not list(logs.iterdir())
+
+
+def test_resuming_another_preset_s_checkpoint_does_not_announce_the_cpu_preset(tmp_path, tiny_run):
+    """Resuming a medium checkpoint without --preset printed 'no GPU found: running the cpu preset', then ran the
+    medium preset (the checkpoint's)."""
+    logs = copy_run(tiny_run, tmp_path / "logs")
+    point = logs / "tiny" / "step_000002"
+    meta = json.loads((point / "checkpoint.json").read_text())
+    meta["hyperparameters"]["preset"] = "medium"  # a checkpoint of the medium preset, in the tiny shape
+    (point / "checkpoint.json").write_text(json.dumps(meta))
+    argv = [a for a in TINY if a != "--preset=cpu"] + ["--num_iterations=3", "--val_every=0", f"--resume={point}",
+                                                       "--run_id=m"]
+    result = run_main(argv, logs)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "running the cpu preset" not in result.stdout and "run m: preset medium" in (logs / "m.txt").read_text()

@@ -128,3 +128,52 @@ def test_a_training_step_makes_no_tensor_from_host_values(tmp_path, monkeypatch)
                               "--bigram_dim=32", "--run_id=nocopy"], tmp_path)
     assert result.returncode == 0, result.stderr[-2000:]
     assert len(calls) == 4
+
+
+@pytest.mark.parametrize("argv", [["--preset=speedrun"], ["--preset=medium"], ["--preset=cpu", "--recipe=v2"],
+                                  ["--preset=cpu", "--window_final_tokens=300", "--num_iterations=7"],
+                                  ["--preset=cpu", "--sliding_window=false"],
+                                  ["--preset=cpu", "--window_final_tokens=1000000", "--num_iterations=50"]])
+def test_the_windows_made_at_start_up_cover_every_step_without_walking_them(argv):
+    args = T.parse_args(argv, False)
+    reached = {T.attention_windows(step, args) for step in range(args.num_iterations + 1)}
+    assert reached <= T.window_pairs(args)
+
+
+@pytest.mark.parametrize("argv", [["--preset=medium"], ["--preset=cpu", "--recipe=v2", "--num_iterations=61"],
+                                  ["--preset=cpu"]])
+def test_tokens_before_sums_the_stages_as_the_steps_would(argv):
+    batches = T.batch_schedule(T.parse_args(argv, False), 1)
+    total = 0
+    for step in range(batches.num_iterations + 3):  # past the end too: a warm-up longer than the run
+        assert batches.tokens_before(step) == total, step
+        total += batches.tokens(step)
+
+
+def test_start_up_of_a_very_long_run_walks_no_step(monkeypatch):
+    """--num_iterations=100000000 looped over every step in Python at start-up and never printed a line."""
+    steps = 10**6
+    args = speedrun("--mtp_tokens=3", f"--num_iterations={steps}")
+    calls = {"windows": 0, "mtp": 0}
+    windows, mtp = T.attention_windows, T.mtp_loss_weights
+
+    def counted(name, function):
+        def call(*a, **k):
+            calls[name] += 1
+            return function(*a, **k)
+        return call
+
+    monkeypatch.setattr(T, "attention_windows", counted("windows", windows))
+    monkeypatch.setattr(T, "mtp_loss_weights", counted("mtp", mtp))
+    schedules = T.StepTensors(args, torch.device("cpu"))
+    assert calls["windows"] < 100 and calls["mtp"] <= T.MTP_TABLE_ROWS, calls
+    for step in (0, 12345, T.MTP_TABLE_ROWS - 1, T.MTP_TABLE_ROWS, 700_001, steps, steps + 10):
+        assert schedules.windows(step).tolist() == list(windows(min(step, steps), args))
+        assert schedules.mtp_weights(step)[0].tolist() == torch.tensor(mtp(min(step, steps), steps, 3)).tolist()
+    assert schedules.windows(5) is schedules.windows(6)
+
+
+def test_a_step_count_beyond_any_run_is_refused_in_one_line():
+    with pytest.raises(T.UsageError, match=r"^bad value 12345678901234567890 for --num_iterations; valid: an integer "
+                                           r"in \[1, 1000000000\]$"):
+        T.parse_args(["--preset=cpu", "--num_iterations=12345678901234567890"], False)
