@@ -285,8 +285,17 @@ def resolve_hyperparameters(overrides: dict[str, object], cuda_available: bool,
     if recipe not in RECIPES:
         raise UsageError(f"unknown recipe {recipe!r}; valid recipes: {', '.join(RECIPES)}")
     args = Hyperparameters(**{**PRESETS[preset], **RECIPES[recipe][preset], **overrides, "preset": preset})
+    args = tables_the_layers_hold(args, overrides)
     validate_args(args, overrides if check_unused else None)
     return args
+
+
+def tables_the_layers_hold(args: Hyperparameters, overrides: dict[str, object]) -> Hyperparameters:
+    """A preset's value-embedding table count on a shallower model: the tables it builds (one per encoder layer at
+    most), so that the log says what runs; a count set on the command line is checked instead (OnlyWhen)."""
+    if "value_embed_tables" in overrides or args.value_embed_tables <= max(1, args.n_layer // 2):
+        return args
+    return dataclasses.replace(args, value_embed_tables=max(1, args.n_layer // 2))
 
 
 def parse_args(argv: list[str], cuda_available: bool) -> Hyperparameters:

@@ -557,15 +557,15 @@ def test_every_committed_record_reads_whole_and_its_readme_quotes_its_losses(fol
 
 # ---------------------------------------------------------------- hostile paths
 
-REBUILD = REPO / "records" / "rebuild_run.py"
+REBUILD = [sys.executable, "-m", "records.rebuild_run"]  # from the project root
 
 
 def test_rebuilding_from_a_binary_file_is_one_line(tmp_path):
     """Was a UnicodeDecodeError traceback."""
     log = tmp_path / "run.txt"
     log.write_bytes(b"\x89PNG\r\n\x1a\n\x00\xff\xfe")
-    proc = subprocess.run([sys.executable, str(REBUILD), str(log), str(tmp_path / "out")], capture_output=True,
-                          text=True, timeout=60)
+    proc = subprocess.run([*REBUILD, str(log), str(tmp_path / "out")], capture_output=True, text=True, timeout=60,
+                          cwd=REPO)
     assert proc.returncode == 2 and proc.stderr == (f"error: cannot read the log {log}: not a text file (byte 8 is "
                                                     "not UTF-8 text); pass a <run_id>.txt that train_gpt.py wrote\n")
     assert not (tmp_path / "out").exists()
@@ -577,8 +577,8 @@ def test_rebuilding_from_a_binary_file_is_one_line(tmp_path):
     (lambda d: (os.mkfifo(d / "fifo.txt"), d / "fifo.txt")[1], "it is a FIFO (named pipe), not a file")],
     ids=["missing parent", "folder", "fifo"])
 def test_rebuilding_from_what_is_not_a_log_file_is_one_line(tmp_path, make, said):
-    proc = subprocess.run([sys.executable, str(REBUILD), str(make(tmp_path)), str(tmp_path / "out")],
-                          capture_output=True, text=True, timeout=60)
+    proc = subprocess.run([*REBUILD, str(make(tmp_path)), str(tmp_path / "out")], capture_output=True, text=True,
+                          timeout=60, cwd=REPO)
     assert proc.returncode == 2 and said in proc.stderr and len(proc.stderr.splitlines()) == 1, proc.stderr
 
 
@@ -587,8 +587,7 @@ def test_rebuilding_into_a_file_or_an_unmakeable_folder_is_one_line(tmp_path):
     (tmp_path / "file").write_text("mine\n")
     for out, said in [(tmp_path / "file", "it is not a folder"), (tmp_path / "file" / "sub", "a file on the way"),
                       (Path("/proc/nope/out"), "cannot make OUT_DIR /proc/nope/out")]:
-        proc = subprocess.run([sys.executable, str(REBUILD), str(log), str(out)], capture_output=True, text=True,
-                              timeout=60)
+        proc = subprocess.run([*REBUILD, str(log), str(out)], capture_output=True, text=True, timeout=60, cwd=REPO)
         assert proc.returncode == 2 and said in proc.stderr and len(proc.stderr.splitlines()) == 1, proc.stderr
     assert (tmp_path / "file").read_text() == "mine\n"
 

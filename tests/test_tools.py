@@ -15,7 +15,7 @@ import checkpoints
 import evaluation
 import train_gpt as T
 from flags import integer, number, run_cli
-from conftest import TINY, TOKENIZER_ENV, run_main, tool, tool_in_process
+from conftest import IMPORT_ENV, TINY, TOKENIZER_ENV, run_main, tool, tool_in_process
 from conftest import needs_gpt2_vocab as needs_tokenizer
 from tools import hellaswag as H
 from tools import loading, sample
@@ -283,9 +283,10 @@ def launch_and_signal(tmp_path, signals, stop_s):
     worker.write_text(STOPPING_WORKER)
     out = tmp_path / "out.txt"
     with open(out, "w") as stdout:
-        proc = subprocess.Popen([sys.executable, str(loading.REPO / "tools" / "launch.py"), "--standalone",
+        proc = subprocess.Popen([sys.executable, "-m", "tools.launch", "--standalone",
                                  "--nproc_per_node=1", str(worker), str(stop_s)], cwd=tmp_path, stdout=stdout,
-                                stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+                                stderr=subprocess.PIPE, text=True,
+                                env={**os.environ, "OMP_NUM_THREADS": "1", **IMPORT_ENV})
         deadline = time.monotonic() + 120
         while "ready" not in out.read_text() and time.monotonic() < deadline:
             time.sleep(0.1)
@@ -399,13 +400,13 @@ def test_export_into_a_file_is_refused_before_the_model_loads(tmp_path):
 @pytest.mark.parametrize("args, said", [
     (["--nproc_per_node=0", "w.py"], "--nproc_per_node of at least 1"),
     (["--nnodes=0", "w.py"], "with 1 <= MIN <= MAX"),
-    (["--bogus", "w.py"], "unrecognized arguments: --bogus (see tools/launch.py --help"),
+    (["--bogus", "w.py"], "unrecognized arguments: --bogus (see python -m tools.launch --help"),
     (["--standalone", "--nproc_per_node=1", "nope.py"], "cannot read the training script nope.py: no such file")])
 def test_a_bad_launcher_argument_is_one_line_before_anything_starts(tmp_path, args, said):
     """torchrun printed its usage block, or an AssertionError traceback from its agent (--nproc_per_node=0)."""
     import subprocess
     import sys
     (tmp_path / "w.py").write_text("")
-    done = subprocess.run([sys.executable, str(loading.REPO / "tools" / "launch.py"), *args], cwd=tmp_path,
-                          capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    done = subprocess.run([sys.executable, "-m", "tools.launch", *args], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1", **IMPORT_ENV})
     assert said in one_error_line(done)

@@ -48,7 +48,7 @@ def torchrun_args(argv: list[str]):
         if not e.code:  # --help
             raise
         raise UsageError(said.getvalue().strip().splitlines()[-1].split(": error: ", 1)[-1]
-                         + " (see tools/launch.py --help: torchrun's arguments)") from None
+                         + " (see python -m tools.launch --help: torchrun's arguments)") from None
     try:
         lo, hi = parse_min_max_nnodes(args.nnodes)
         procs = determine_local_world_size(args.nproc_per_node)
