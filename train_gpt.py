@@ -1948,7 +1948,7 @@ def build_model(args: Hyperparameters, rt: Runtime) -> GPT:
 
 
 # -----------------------------------------------------------------------------
-# Optimizers: a reduce-scatter gradient loop feeding sharded Muon and Adam
+# Optimizers: Muon's and Adam's update math on what each rank owns (the gradient's path: the next section)
 
 def quintic_iterations(G: Tensor, coefficients: list[tuple[float, float, float]], norm_scale: float,
                        eps: float) -> Tensor:
@@ -1989,110 +1989,6 @@ POLAR_EXPRESS_COEFFICIENTS = [
 def polar_express(G: Tensor, steps: int = 5) -> Tensor:
     """Polar Express orthogonalisation; the record divides by 1.02 x the norm as a safety margin for bf16."""
     return quintic_iterations(G, POLAR_EXPRESS_COEFFICIENTS[:steps], 1.02, 1e-6)
-
-
-class Bucket:
-    """Parameters whose summed gradient is reduce-scattered as one tensor, with its persistent buffers.
-
-    A Muon bucket holds world_size same-shape matrices (None pads the last one): rank r receives
-    matrix r's whole gradient. An Adam bucket holds one parameter: rank r receives slice r of it.
-    The communication buffers live as long as the bucket, so a step allocates nothing for them.
-    """
-
-    def __init__(self, params: list[nn.Parameter | None], muon: bool, world_size: int):
-        self.params, self.muon, self.world_size = params, muon, world_size
-        self.real = [p for p in params if p is not None]
-        ref = self.real[0]
-        numel = ref.numel()
-        self.shard_numel = numel if muon else -(-numel // world_size)
-        self.ready = 0
-        self.work = None
-        self.shard: Tensor | None = None
-        # Reduce-scatter input: a copy only where the gradient is not already one flat tensor.
-        needs_copy = world_size > 1 and (muon or self.shard_numel * world_size != numel)
-        self.grads_in = ref.new_zeros(self.shard_numel * world_size) if needs_copy else None
-        self.grad_out = ref.new_empty(self.shard_numel) if world_size > 1 else None
-        # All-gather buffers: Muon sends bf16 updates (as the record does), Adam the parameter's dtype.
-        gather_dtype = torch.bfloat16 if muon else ref.dtype
-        self.gather_in = ref.new_zeros(self.shard_numel, dtype=gather_dtype) if world_size > 1 else None
-        self.gather_out = ref.new_empty(self.shard_numel * world_size, dtype=gather_dtype) if world_size > 1 else None
-
-    def flat_grads(self) -> Tensor:
-        """The gradients to reduce, flattened; a missing gradient or padding slot counts as zero."""
-        if self.grads_in is None:
-            g = self.real[0].grad
-            return torch.zeros(self.shard_numel * self.world_size, device=self.real[0].device,
-                               dtype=self.real[0].dtype) if g is None else g.view(-1)
-        for j, p in enumerate(self.params):  # Muon: matrix j in slot j; Adam: the one parameter, then padding
-            if p is not None:
-                dest = self.grads_in[j * p.numel():(j + 1) * p.numel()]
-                dest.zero_() if p.grad is None else dest.copy_(p.grad.view(-1))
-        return self.grads_in
-
-
-class GradientSync:
-    """Reduce-scatters each bucket's gradient as early as the autograd engine allows.
-
-    Eager backward (CPU, --compile=loss/off): each bucket is launched from post-accumulate-grad hooks
-    the moment its last gradient is ready, so communication overlaps the rest of backward.
-    Compiled model (--compile=model): AOTAutograd runs the whole backward as one graph node, and the
-    AccumulateGrad nodes (and their hooks) run only after it returns, in one burst (bench/overlap_probe.py
-    shows it on CPU). There is no backward left to overlap, so no hooks are registered: finish() launches
-    every bucket in the order the optimizers consume them, and the update math of the first buckets
-    overlaps the transfer of the later ones. Only the last micro-step of an accumulation step communicates.
-    """
-
-    def __init__(self, buckets: list[Bucket], world_size: int, launch_from_hooks: bool = True):
-        self.buckets, self.world_size = buckets, world_size
-        self.armed = False
-        self.bucket_of = {p: b for b in buckets for p in b.real}
-        self.launched: set[int] = set()
-        if launch_from_hooks:
-            for p in self.bucket_of:
-                p.register_post_accumulate_grad_hook(self._on_grad_ready)
-
-    def arm(self, last_micro_step: bool) -> None:
-        self.armed = last_micro_step
-
-    def _on_grad_ready(self, p: Tensor) -> None:
-        if not self.armed:
-            return
-        bucket = self.bucket_of[p]
-        bucket.ready += 1
-        if bucket.ready == len(bucket.real):
-            self._launch(bucket)
-
-    def _launch(self, bucket: Bucket) -> None:
-        flat = bucket.flat_grads()
-        if self.world_size == 1:
-            bucket.shard = flat
-        else:
-            bucket.shard = bucket.grad_out
-            bucket.work = TORCH_API.reduce_scatter_flat(bucket.shard, flat, op=dist.ReduceOp.SUM, async_op=True)
-        self.launched.add(id(bucket))
-
-    def finish(self) -> None:
-        """Launches the buckets not launched yet (all of them without hooks; else those without a gradient)."""
-        for bucket in self.buckets:
-            if id(bucket) not in self.launched:
-                self._launch(bucket)
-        self.armed = False
-
-    def wait(self, bucket: Bucket, scale: float) -> Tensor:
-        """This rank's summed gradient shard for the bucket, in fp32, times scale."""
-        if bucket.work is not None:
-            bucket.work.wait()
-        shard = bucket.shard.float() * scale
-        bucket.work, bucket.shard, bucket.ready = None, None, 0
-        return shard
-
-    def reset(self) -> None:
-        self.launched.clear()
-
-
-def all_gather_into(bucket: Bucket):
-    """Starts the all-gather of every rank's bucket.gather_in into bucket.gather_out."""
-    return TORCH_API.all_gather_flat(bucket.gather_out, bucket.gather_in, async_op=True)
 
 
 class Muon:
@@ -2198,52 +2094,47 @@ class ShardedAdam:
     """Adam for the rank-owned slice of each parameter, on an fp32 master copy of that slice.
 
     The update itself is torch's fused AdamW (decoupled weight decay, zero for most groups)
-    over the master slices; the new slices are cast to the parameter dtype and all-gathered.
+    over the master slices; the new slices are cast to the parameter dtype and all-gathered. Every master is
+    fed and read at its parameter's offset in its bucket, so several small parameters share one bucket.
     """
 
-    def __init__(self, groups: list[tuple[Bucket, AdamGroup]], rank: int, betas: tuple[float, float],
-                 eps: float, names: dict[Tensor, str]):
-        self.buckets = [bucket for bucket, _ in groups]
-        self.rank = rank
-        self.names = [names[bucket.real[0]] for bucket in self.buckets]
-        self.masters = [self._owned_slice(bucket).float().clone() for bucket in self.buckets]
-        param_groups = [dict(params=[master], lr=g.lr, base_lr=g.lr, weight_decay=g.weight_decay,
-                             cautious_wd=g.cautious_wd, betas=g.betas or betas)
-                        for master, (_, g) in zip(self.masters, groups)]
+    def __init__(self, buckets: list[Bucket], groups: dict[Tensor, AdamGroup], rank: int,
+                 betas: tuple[float, float], eps: float, names: dict[Tensor, str]):
+        self.buckets, self.rank = buckets, rank
+        # One master per parameter: its slice sits at offset in the bucket's shard (Bucket.offsets).
+        self.slots = [(bucket, p, offset) for bucket in buckets for p, offset in zip(bucket.real, bucket.offsets)]
+        self.params = [p for _, p, _ in self.slots]
+        self.names = [names[p] for p in self.params]
+        self.masters = [owned_slice(p, rank, bucket.world_size).float().clone() for bucket, p, _ in self.slots]
+        param_groups = [dict(params=[master], lr=groups[p].lr, base_lr=groups[p].lr,
+                             weight_decay=groups[p].weight_decay, cautious_wd=groups[p].cautious_wd,
+                             betas=groups[p].betas or betas) for master, p in zip(self.masters, self.params)]
         fused = all(m.device.type in ("cpu", "cuda") for m in self.masters)
         self.adam = torch.optim.AdamW(param_groups, betas=betas, eps=eps, fused=fused)
 
-    def _owned_slice(self, bucket: Bucket) -> Tensor:
-        flat = bucket.real[0].data.view(-1)
-        lo = min(self.rank * bucket.shard_numel, flat.numel())
-        return flat[lo:min(lo + bucket.shard_numel, flat.numel())]
-
     def step(self, sync: GradientSync, scale: float, lr_mult: float) -> list:
         """Updates the master slices and starts the all-gathers; returns them for finish_step."""
-        for bucket, master in zip(self.buckets, self.masters):
-            master.grad = sync.wait(bucket, scale)[:master.numel()]
+        shards = {id(bucket): sync.wait(bucket, scale) for bucket in self.buckets}
+        for (bucket, _, offset), master in zip(self.slots, self.masters):
+            master.grad = shards[id(bucket)][offset:offset + master.numel()]
         for group in self.adam.param_groups:
             group["lr"] = group["base_lr"] * lr_mult
             if group["cautious_wd"]:
                 self._cautious_decay(group)
         self.adam.step()
-        gathers = []
-        for bucket, master in zip(self.buckets, self.masters):
+        for (bucket, p, offset), master in zip(self.slots, self.masters):
             master.grad = None
-            p = bucket.real[0]
             if bucket.world_size == 1:
                 p.data.view(-1).copy_(master)
-                continue
-            bucket.gather_in[:master.numel()].copy_(master)
-            gathers.append((bucket, all_gather_into(bucket)))
-        return gathers
+            else:
+                bucket.gather_in[offset:offset + master.numel()].copy_(master)
+        return [(bucket, all_gather_into(bucket)) for bucket in self.buckets if bucket.world_size > 1]
 
     @staticmethod
     def finish_step(gathers: list) -> None:
         for bucket, work in gathers:
             work.wait()
-            p = bucket.real[0]
-            p.data.view(-1).copy_(bucket.gather_out[:p.numel()])
+            bucket.copy_gathered()
 
     def _cautious_decay(self, group: dict) -> None:
         """master -= lr * (lr * wd) * master where this step's Adam update has the master's sign. That sign
@@ -2268,13 +2159,208 @@ class ShardedAdam:
         """adam/<parameter name>/<master|exp_avg|exp_avg_sq|step>: the slices as pieces of the flat
         parameter, which any world size can cut again; the step count is the same on every rank."""
         out: dict[str, Tensor | FlatShard] = {}
-        for name, bucket, master in zip(self.names, self.buckets, self.masters):
-            state, numel = self.adam_state(master), bucket.real[0].numel()
+        for name, p, master in zip(self.names, self.params, self.masters):
+            state, numel = self.adam_state(master), p.numel()
             out[f"adam/{name}/master"] = FlatShard(master, numel)
             out[f"adam/{name}/exp_avg"] = FlatShard(state["exp_avg"], numel)
             out[f"adam/{name}/exp_avg_sq"] = FlatShard(state["exp_avg_sq"], numel)
             out[f"adam/{name}/step"] = state["step"]
         return out
+
+
+def owned_slice(p: Tensor, rank: int, world_size: int) -> Tensor:
+    """Rank's slice of p flattened: torch.chunk's split (ceil(numel / world_size) each), as FlatShard records it."""
+    flat, chunk = p.data.view(-1), -(-p.numel() // world_size)
+    lo = min(rank * chunk, flat.numel())
+    return flat[lo:min(lo + chunk, flat.numel())]
+
+
+# -----------------------------------------------------------------------------
+# The gradient's path: hooks -> buckets -> reduce-scatter -> optimizer step -> all-gather
+#
+# build_optimizers sorts the parameters into buckets: Muon's matrices world_size of one shape to a bucket, each
+# large Adam parameter alone, and all the small ones (scalars, gates, lambdas) in one bucket. In backward, a hook
+# on each parameter counts its bucket's gradients; the last one launches the bucket's reduce-scatter
+# (GradientSync), so that rank r receives the summed segment r of the bucket. Optimizers.step waits for each
+# bucket's segment, Muon or Adam updates what the rank owns (whole matrices; a slice of every parameter), and
+# all-gathers the result, which every rank copies into its parameters. A step issues one reduce-scatter and one
+# all-gather per bucket; bucket_summary says how many there are, in the run log's header.
+
+class Bucket:
+    """Parameters whose summed gradient is reduce-scattered as one flat tensor, with its persistent buffers.
+
+    The flat tensor is world_size segments of shard_numel elements, and rank r receives segment r. A Muon bucket
+    (kind "muon") holds world_size same-shape matrices (None pads the last one): segment r is matrix r, whole. An
+    Adam bucket holds one parameter ("adam") or all the small ones ("small"): segment r holds slice r of each
+    (owned_slice), parameter i's at offsets[i], so the per-element math is that of one bucket per parameter.
+    The communication buffers live as long as the bucket, so a step allocates nothing for them.
+    """
+
+    def __init__(self, params: list[nn.Parameter | None], kind: str, world_size: int):
+        self.params, self.kind, self.muon, self.world_size = params, kind, kind == "muon", world_size
+        self.real = [p for p in params if p is not None]
+        ref = self.real[0]
+        chunks = [p.numel() if self.muon else -(-p.numel() // world_size) for p in self.real]
+        self.offsets = [0] * len(chunks) if self.muon else [sum(chunks[:i]) for i in range(len(chunks))]
+        self.shard_numel = chunks[0] if self.muon else sum(chunks)
+        self.ready = 0
+        self.work = None
+        self.shard: Tensor | None = None
+        # Reduce-scatter input: a copy only where the gradient is not already one flat tensor.
+        needs_copy = (not self.muon and len(self.real) > 1 or
+                      world_size > 1 and (self.muon or self.shard_numel * world_size != ref.numel()))
+        self.grads_in = ref.new_zeros(self.shard_numel * world_size) if needs_copy else None
+        self.grad_out = ref.new_empty(self.shard_numel) if world_size > 1 else None
+        # All-gather buffers: Muon sends bf16 updates (as the record does), Adam the parameter's dtype.
+        gather_dtype = torch.bfloat16 if self.muon else ref.dtype
+        self.gather_in = ref.new_zeros(self.shard_numel, dtype=gather_dtype) if world_size > 1 else None
+        self.gather_out = ref.new_empty(self.shard_numel * world_size, dtype=gather_dtype) if world_size > 1 else None
+
+    def numel(self) -> int:
+        """The elements of its parameters (without padding)."""
+        return sum(p.numel() for p in self.real)
+
+    def segments(self, flat: Tensor) -> Tensor:
+        """flat (world_size * shard_numel elements) as one row per rank's segment."""
+        return flat.view(self.world_size, self.shard_numel)
+
+    def flat_grads(self) -> Tensor:
+        """The gradients to reduce, flattened; a missing gradient or padding slot counts as zero."""
+        if self.grads_in is None:
+            g = self.real[0].grad
+            return torch.zeros(self.shard_numel * self.world_size, device=self.real[0].device,
+                               dtype=self.real[0].dtype) if g is None else g.view(-1)
+        if self.muon:
+            for j, p in enumerate(self.params):  # matrix j in slot j
+                if p is not None:
+                    dest = self.grads_in[j * p.numel():(j + 1) * p.numel()]
+                    dest.zero_() if p.grad is None else dest.copy_(p.grad.view(-1))
+            return self.grads_in
+        rows = self.segments(self.grads_in)
+        for p, offset in zip(self.real, self.offsets):  # slice r of each parameter into segment r; padding stays 0
+            chunk = -(-p.numel() // self.world_size)
+            if p.grad is None:
+                rows[:, offset:offset + chunk].zero_()
+            else:
+                copy_slices(p.grad.view(-1), rows, offset, chunk, into_rows=True)
+        return self.grads_in
+
+    def copy_gathered(self) -> None:
+        """An Adam bucket's all-gathered slices into its parameters."""
+        rows = self.segments(self.gather_out)
+        for p, offset in zip(self.real, self.offsets):
+            copy_slices(p.data.view(-1), rows, offset, -(-p.numel() // self.world_size), into_rows=False)
+
+
+def copy_slices(flat: Tensor, rows: Tensor, offset: int, chunk: int, into_rows: bool) -> None:
+    """Between a flat parameter (or gradient) and its slices, slice r at rows[r, offset:offset + chunk]: the
+    whole slices in one copy, then the shorter last one."""
+    whole = flat.numel() // chunk
+    pairs = [(flat[:whole * chunk].view(whole, chunk), rows[:whole, offset:offset + chunk])]
+    if flat.numel() > whole * chunk:
+        pairs.append((flat[whole * chunk:], rows[whole, offset:offset + flat.numel() - whole * chunk]))
+    for param_side, row_side in pairs:
+        row_side.copy_(param_side) if into_rows else param_side.copy_(row_side)
+
+
+def muon_buckets(matrices: list[nn.Parameter], world_size: int) -> list[Bucket]:
+    """The hidden matrices, world_size of one shape to a bucket (rank r orthogonalises matrix r)."""
+    by_shape: dict[tuple, list] = {}
+    for p in matrices:
+        by_shape.setdefault(tuple(p.shape), []).append(p)
+    buckets = []
+    for same in by_shape.values():
+        same = same + [None] * (-len(same) % world_size)
+        buckets += [Bucket(same[i:i + world_size], "muon", world_size) for i in range(0, len(same), world_size)]
+    return buckets
+
+
+def adam_buckets(params: list[nn.Parameter], small: list[nn.Parameter], world_size: int) -> list[Bucket]:
+    """Each large parameter alone; the small ones together (one bucket per dtype), where the first of them stands:
+    one collective for all of them instead of one each."""
+    small_ids = {id(p) for p in small}
+    groups: dict[object, list] = {}
+    for p in params:
+        groups.setdefault(p.dtype if id(p) in small_ids else id(p), []).append(p)
+    return [Bucket(ps, "small" if id(ps[0]) in small_ids else "adam", world_size) for ps in groups.values()]
+
+
+def bucket_summary(buckets: list[Bucket], world_size: int) -> str:
+    """One line for the run log's header: how many buckets (collectives per step) of each kind, and their sizes."""
+    def size(n: int) -> str:
+        return f"{n / 1e6:.1f}M" if n >= 10**6 else f"{n / 1e3:.1f}K" if n >= 10**3 else str(n)
+    kinds = []
+    for kind in ("muon", "adam", "small"):
+        sizes = sorted(b.numel() for b in buckets if b.kind == kind)
+        if sizes:
+            span = size(sizes[0]) if size(sizes[0]) == size(sizes[-1]) else f"{size(sizes[0])}-{size(sizes[-1])}"
+            kinds.append(f"{kind} {len(sizes)} x {span}")
+    return f"gradient buckets: {len(buckets)} on {world_size} rank(s) ({', '.join(kinds)} elements)"
+
+
+class GradientSync:
+    """Reduce-scatters each bucket's gradient as early as the autograd engine allows.
+
+    Eager backward (CPU, --compile=loss/off): each bucket is launched from post-accumulate-grad hooks
+    the moment its last gradient is ready, so communication overlaps the rest of backward.
+    Compiled model (--compile=model): AOTAutograd runs the whole backward as one graph node, and the
+    AccumulateGrad nodes (and their hooks) run only after it returns, in one burst (bench/overlap_probe.py
+    shows it on CPU). There is no backward left to overlap, so no hooks are registered: finish() launches
+    every bucket in the order the optimizers consume them, and the update math of the first buckets
+    overlaps the transfer of the later ones. Only the last micro-step of an accumulation step communicates.
+    """
+
+    def __init__(self, buckets: list[Bucket], world_size: int, launch_from_hooks: bool = True):
+        self.buckets, self.world_size = buckets, world_size
+        self.armed = False
+        self.bucket_of = {p: b for b in buckets for p in b.real}
+        self.launched: set[int] = set()
+        if launch_from_hooks:
+            for p in self.bucket_of:
+                p.register_post_accumulate_grad_hook(self._on_grad_ready)
+
+    def arm(self, last_micro_step: bool) -> None:
+        self.armed = last_micro_step
+
+    def _on_grad_ready(self, p: Tensor) -> None:
+        if not self.armed:
+            return
+        bucket = self.bucket_of[p]
+        bucket.ready += 1
+        if bucket.ready == len(bucket.real):
+            self._launch(bucket)
+
+    def _launch(self, bucket: Bucket) -> None:
+        flat = bucket.flat_grads()
+        if self.world_size == 1:
+            bucket.shard = flat
+        else:
+            bucket.shard = bucket.grad_out
+            bucket.work = TORCH_API.reduce_scatter_flat(bucket.shard, flat, op=dist.ReduceOp.SUM, async_op=True)
+        self.launched.add(id(bucket))
+
+    def finish(self) -> None:
+        """Launches the buckets not launched yet (all of them without hooks; else those without a gradient)."""
+        for bucket in self.buckets:
+            if id(bucket) not in self.launched:
+                self._launch(bucket)
+        self.armed = False
+
+    def wait(self, bucket: Bucket, scale: float) -> Tensor:
+        """This rank's summed gradient shard for the bucket, in fp32, times scale."""
+        if bucket.work is not None:
+            bucket.work.wait()
+        shard = bucket.shard.float() * scale
+        bucket.work, bucket.shard, bucket.ready = None, None, 0
+        return shard
+
+    def reset(self) -> None:
+        self.launched.clear()
+
+
+def all_gather_into(bucket: Bucket):
+    """Starts the all-gather of every rank's bucket.gather_in into bucket.gather_out."""
+    return TORCH_API.all_gather_flat(bucket.gather_out, bucket.gather_in, async_op=True)
 
 
 @dataclass
@@ -2318,30 +2404,23 @@ def build_optimizers(model: GPT, args: Hyperparameters, rank: int, world_size: i
     adam_groups = [AdamGroup(model.lm_head.weight, args.head_lr, args.weight_decay, adam_wd)]
     adam_groups += [AdamGroup(p, args.embed_lr, cautious_wd=adam_wd) for p in embeds]
     adam_groups += [AdamGroup(p, args.scalar_lr * gates.get(p, 1.0), betas=scalar_betas) for p in scalars]
-    muon_buckets = []
-    if args.muon:
-        by_shape: dict[tuple, list] = {}
-        for p in hidden:
-            by_shape.setdefault(tuple(p.shape), []).append(p)
-        for same in by_shape.values():
-            same = same + [None] * (-len(same) % world_size)
-            muon_buckets += [Bucket(same[i:i + world_size], True, world_size) for i in range(0, len(same), world_size)]
-    else:
+    if not args.muon:
         adam_groups += [AdamGroup(p, args.matrix_adam_lr, args.weight_decay, adam_wd) for p in hidden]
-    adam_buckets = [(Bucket([g.param], False, world_size), g) for g in adam_groups]
-    assert sum(p.numel() for b, _ in adam_buckets for p in b.real) + sum(
-        p.numel() for b in muon_buckets for p in b.real) == sum(p.numel() for p in model.parameters())
+    muon_part = muon_buckets(hidden, world_size) if args.muon else []
+    adam_part = adam_buckets([g.param for g in adam_groups], scalars, world_size)
+    assert sum(b.numel() for b in muon_part + adam_part) == sum(p.numel() for p in model.parameters())
     # Consumption order (Muon, then Adam): the launch order when the compiled backward leaves no overlap.
-    sync = GradientSync(muon_buckets + [b for b, _ in adam_buckets], world_size, launch_from_hooks=grad_sync_from_hooks)
+    sync = GradientSync(muon_part + adam_part, world_size, launch_from_hooks=grad_sync_from_hooks)
     names = {p: name for name, p in model.named_parameters()}
     # The record compiles Newton-Schulz: its five bf16 iterations fuse into a few kernels per shape.
     orthogonalize = polar_express if args.polar_express else newton_schulz
     orthogonalize = torch.compile(orthogonalize, dynamic=False) if compile_newton_schulz else orthogonalize
-    muon = Muon(muon_buckets, rank, args.muon_lr, args.ns_steps, names, orthogonalize,
+    muon = Muon(muon_part, rank, args.muon_lr, args.ns_steps, names, orthogonalize,
                 normuon_beta2=args.normuon_beta2 if args.normuon else None,
                 cautious_wd=args.muon_cautious_wd if args.cautious_wd else 0.0) if args.muon else None
     return Optimizers(sync=sync, muon=muon,
-                      adam=ShardedAdam(adam_buckets, rank, (args.adam_beta1, args.adam_beta2), args.adam_eps, names),
+                      adam=ShardedAdam(adam_part, {g.param: g for g in adam_groups}, rank,
+                                       (args.adam_beta1, args.adam_beta2), args.adam_eps, names),
                       world_size=world_size)
 
 
@@ -2597,6 +2676,7 @@ def set_up(args: Hyperparameters, rt: Runtime, folder: RunFolder, log: RunLog, s
     model = build_model(args, rt)
     step_model = torch.compile(model, dynamic=False) if rt.compile == "model" else model
     opt = build_optimizers(model, args, rt.rank, rt.world_size, rt.grad_sync_from_hooks, rt.compile_newton_schulz)
+    log.write(bucket_summary(opt.sync.buckets, rt.world_size), echo=False)  # the header's last line
     stream = TokenStream(train_files, args.vocab_size, cycle=args.train_cycle, read_ahead=True)
     loader = DistributedTokenLoader(stream, args.seq_len, rt.rank, rt.world_size, args.bos_align, args.doc_len_cap,
                                     rt.device)
