@@ -415,15 +415,6 @@ def only_track_2(what: str) -> dict[str, str]:
             for preset in PRESETS if preset != "medium"}
 
 
-def window_stage_blocks(text: str) -> list[int] | None:
-    """--window_stages as block counts; None if the text is not such a list."""
-    try:
-        blocks = [int(part) for part in text.split(",")]
-    except ValueError:
-        return None
-    return blocks if all(b >= 1 for b in blocks) else None
-
-
 # Gate lrs are fractions of scalar_lr (0.04 = 5 x the record's Adam lr 0.008): 2025-12-29_VeSkipGates has the
 # smear gate at 0.01 x and the skip gate at 0.05 x that Adam lr, 2026-05-20_BigramsSignTrick the others at 1 x.
 TECHNIQUES: tuple[Technique, ...] = (
@@ -1044,55 +1035,53 @@ def validation_sequences(files: list[Path], args: Hyperparameters, rank: int, wo
 
 
 # -----------------------------------------------------------------------------
-# Model
+# Attention windows: every layer's window at every step, and the masks that apply it
+#
+# A window is a count of BLOCK_SIZE-token blocks: a query in block i sees its document's keys in blocks i-w+1..i.
+# attention_windows(step, args) is the one schedule, the (long, short) pair at a step, for every phase: training,
+# validation and the warm-up (StepTensors), FLOP counts, HellaSwag and the samples (at their step), the tools
+# (at the checkpoint's step, or num_iterations for the final window). layer_windows gives each layer its half of
+# the pair. The masks apply a layer's window: attention_allowed is the rule, the others build it per backend.
 
-def rms_norm(x: Tensor) -> Tensor:
-    return F.rms_norm(x, (x.size(-1),))
+def attention_windows(step: int, args: Hyperparameters) -> tuple[int, int]:
+    """(long, short) attention windows in blocks at a step. R: the long window grows linearly to
+    window_final_tokens, rounded up to whole blocks; the short-window layers see half of it. Track 2's 2025-12-31
+    record: the long window steps through --window_stages over equal stages of training, the short one capped."""
+    if not args.sliding_window:
+        return window_pair(max(args.seq_len, args.val_seq_len) // BLOCK_SIZE)
+    if args.window_stages:
+        stages = window_stage_blocks(args.window_stages)
+        return window_pair(stages[min(len(stages) * step // args.num_iterations, len(stages) - 1)],
+                           args.short_window_cap)
+    tokens = max(next_multiple(args.window_final_tokens * step / args.num_iterations, BLOCK_SIZE), BLOCK_SIZE)
+    return window_pair(tokens // BLOCK_SIZE, args.short_window_cap)
 
 
-@dataclass(frozen=True)
-class LayerRoles:
-    """Every depth-dependent role of the U-net layout, derived in one place.
+def window_pair(long_blocks: int, short_cap: int = 0) -> tuple[int, int]:
+    """A long window and its short one: half of it, at least one block, and at most short_cap blocks if set."""
+    short = max(long_blocks // 2, 1)
+    return long_blocks, min(short, short_cap) if short_cap else short
 
-    For 12 layers: value embeddings 0,1,2 at layers 0-2 and again at 9-11, no attention
-    in layer 7, windows L S S S L S | S L S S S L, layers 0-5 feed skips into 11-6.
-    """
-    value_embed: tuple[int | None, ...]  # table index used by each layer
-    attention: tuple[bool, ...]
-    long_window: tuple[bool, ...]
-    n_encoder: int
-    n_value_embeds: int
-    paired_heads: tuple[bool, ...]  # attention layers whose head pairs attend as one
-    key_offset: tuple[bool, ...]  # attention layers whose keys take the previous token's stationary dims
-    backout_layer: int | None  # the stream entering this layer is backed out before the head
 
-    VALUE_EMBED_TABLES = 3  # R: three value-embedding tables, read by the first three and the last three layers
-    # (track 2's records: five, --value_embed_tables)
-    LONG_WINDOW_EVERY = 4  # R: encoder layers 0, 4, ... have the long window; the decoder mirrors the encoder
-    NO_ATTENTION_OFFSET = 1  # R: the layer just after the middle (7 of 12) has no attention, only its MLP
-    BACKOUT_FRACTION = Fraction(3, 4)  # 2025-10-04_Backout: the stream after block 8 of 12 (0-based), entering 9
+def window_tensor(long_blocks: int, device: torch.device | str | None = None, short_cap: int = 0) -> Tensor:
+    """The model's windows input, (long, short) in blocks, for a fixed long window (the tools, tests)."""
+    return torch.tensor(window_pair(long_blocks, short_cap), dtype=torch.int64, device=device)
 
-    @staticmethod
-    def for_depth(n_layer: int, value_embeds: bool = True, paired_heads: bool = False, key_offset: bool = False,
-                  backout: bool = False, value_embed_tables: int = VALUE_EMBED_TABLES,
-                  attention_free_layer: bool = True) -> "LayerRoles":
-        n_enc = n_layer // 2
-        n_ve = min(value_embed_tables, n_enc) if value_embeds else 0
-        ve: list[int | None] = [None] * n_layer
-        for i in range(n_ve):
-            ve[i] = ve[n_layer - n_ve + i] = i
-        encoder_long = [i % LayerRoles.LONG_WINDOW_EVERY == 0 for i in range(n_enc)]
-        attention = [not attention_free_layer or i != n_enc + LayerRoles.NO_ATTENTION_OFFSET for i in range(n_layer)]
-        long_window = encoder_long + encoder_long[::-1]
-        # 2026-01-07_PairedHeadAttention pairs layers 0, 2, 5, 9 of its 11: the first short-window layer and each
-        # short-window layer just before a long-window or attention-free one (1, 3, 6, 10 of our 12)
-        short = [i for i in range(n_layer) if attention[i] and not long_window[i]]
-        paired = {i for i in short if i == short[0] or i + 1 < n_layer and (long_window[i + 1] or not attention[i + 1])}
-        return LayerRoles(value_embed=tuple(ve), attention=tuple(attention), long_window=tuple(long_window),
-                          n_encoder=n_enc, n_value_embeds=n_ve,
-                          paired_heads=tuple(paired_heads and i in paired for i in range(n_layer)),
-                          key_offset=tuple(key_offset and attention[i] and long_window[i] for i in range(n_layer)),
-                          backout_layer=int(n_layer * LayerRoles.BACKOUT_FRACTION) if backout else None)
+
+def layer_windows(windows, roles: LayerRoles) -> list:
+    """Each layer's entry of a (long, short) pair: the long one on the layout's long-window layers, the short one
+    on the others. windows: attention_windows' ints, the model's (2,) tensor of them, or (0, 1) for each layer's
+    index into it."""
+    return [windows[0] if is_long else windows[1] for is_long in roles.long_window]
+
+
+def window_stage_blocks(text: str) -> list[int] | None:
+    """--window_stages as block counts; None if the text is not such a list."""
+    try:
+        blocks = [int(part) for part in text.split(",")]
+    except ValueError:
+        return None
+    return blocks if all(b >= 1 for b in blocks) else None
 
 
 def document_ids(tokens: Tensor) -> Tensor:
@@ -1205,6 +1194,63 @@ def sliding_window_block_mask(tokens: Tensor, window_blocks: Tensor):
     full_counts, full_idx = kv_order(full)
     return BlockMask.from_kv_blocks(partial_counts, partial_idx, full_counts, full_idx,
                                     BLOCK_SIZE=BLOCK_SIZE, mask_mod=mask_mod)
+
+
+def first_key_in_window(query: int, window_blocks: int) -> int:
+    """The first position a query at `query` may attend to under a window of window_blocks blocks."""
+    return max(0, (query // BLOCK_SIZE - window_blocks + 1) * BLOCK_SIZE)
+
+
+# -----------------------------------------------------------------------------
+# Model
+
+def rms_norm(x: Tensor) -> Tensor:
+    return F.rms_norm(x, (x.size(-1),))
+
+
+@dataclass(frozen=True)
+class LayerRoles:
+    """Every depth-dependent role of the U-net layout, derived in one place.
+
+    For 12 layers: value embeddings 0,1,2 at layers 0-2 and again at 9-11, no attention
+    in layer 7, windows L S S S L S | S L S S S L, layers 0-5 feed skips into 11-6.
+    """
+    value_embed: tuple[int | None, ...]  # table index used by each layer
+    attention: tuple[bool, ...]
+    long_window: tuple[bool, ...]
+    n_encoder: int
+    n_value_embeds: int
+    paired_heads: tuple[bool, ...]  # attention layers whose head pairs attend as one
+    key_offset: tuple[bool, ...]  # attention layers whose keys take the previous token's stationary dims
+    backout_layer: int | None  # the stream entering this layer is backed out before the head
+
+    VALUE_EMBED_TABLES = 3  # R: three value-embedding tables, read by the first three and the last three layers
+    # (track 2's records: five, --value_embed_tables)
+    LONG_WINDOW_EVERY = 4  # R: encoder layers 0, 4, ... have the long window; the decoder mirrors the encoder
+    NO_ATTENTION_OFFSET = 1  # R: the layer just after the middle (7 of 12) has no attention, only its MLP
+    BACKOUT_FRACTION = Fraction(3, 4)  # 2025-10-04_Backout: the stream after block 8 of 12 (0-based), entering 9
+
+    @staticmethod
+    def for_depth(n_layer: int, value_embeds: bool = True, paired_heads: bool = False, key_offset: bool = False,
+                  backout: bool = False, value_embed_tables: int = VALUE_EMBED_TABLES,
+                  attention_free_layer: bool = True) -> "LayerRoles":
+        n_enc = n_layer // 2
+        n_ve = min(value_embed_tables, n_enc) if value_embeds else 0
+        ve: list[int | None] = [None] * n_layer
+        for i in range(n_ve):
+            ve[i] = ve[n_layer - n_ve + i] = i
+        encoder_long = [i % LayerRoles.LONG_WINDOW_EVERY == 0 for i in range(n_enc)]
+        attention = [not attention_free_layer or i != n_enc + LayerRoles.NO_ATTENTION_OFFSET for i in range(n_layer)]
+        long_window = encoder_long + encoder_long[::-1]
+        # 2026-01-07_PairedHeadAttention pairs layers 0, 2, 5, 9 of its 11: the first short-window layer and each
+        # short-window layer just before a long-window or attention-free one (1, 3, 6, 10 of our 12)
+        short = [i for i in range(n_layer) if attention[i] and not long_window[i]]
+        paired = {i for i in short if i == short[0] or i + 1 < n_layer and (long_window[i + 1] or not attention[i + 1])}
+        return LayerRoles(value_embed=tuple(ve), attention=tuple(attention), long_window=tuple(long_window),
+                          n_encoder=n_enc, n_value_embeds=n_ve,
+                          paired_heads=tuple(paired_heads and i in paired for i in range(n_layer)),
+                          key_offset=tuple(key_offset and attention[i] and long_window[i] for i in range(n_layer)),
+                          backout_layer=int(n_layer * LayerRoles.BACKOUT_FRACTION) if backout else None)
 
 
 def dense_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float) -> Tensor:
@@ -1625,10 +1671,9 @@ class GPT(nn.Module):
     def layer_attention(self, tokens: Tensor, windows: Tensor) -> list:
         """Each layer's attention: the backend with the layer's window mask, over paired positions for
         paired-head layers (each kind of mask built once)."""
-        kinds = list(zip(self.roles.long_window, self.roles.paired_heads))
-        masks = {(is_long, paired): self.backend.build_mask(paired_tokens(tokens) if paired else tokens,
-                                                            windows[0] if is_long else windows[1])
-                 for is_long, paired in dict.fromkeys(kinds)}
+        kinds = list(zip(layer_windows((0, 1), self.roles), self.roles.paired_heads))
+        masks = {(which, paired): self.backend.build_mask(paired_tokens(tokens) if paired else tokens, windows[which])
+                 for which, paired in dict.fromkeys(kinds)}
         return [attention_with(self.backend, masks[kind]) for kind in kinds]
 
     def trunk(self, tokens: Tensor, layer_attention: list, offset: int = 0) -> Tensor:
@@ -1693,13 +1738,13 @@ class GPT(nn.Module):
     eot_token = EOT_TOKEN
     block_size = BLOCK_SIZE
 
-    def window(self, long_blocks: int) -> Tensor:
-        """The windows input for a fixed long window, on the model's device."""
-        return window_tensor(long_blocks, self.embed.weight.device, self.config.short_window_cap)
+    def window(self, windows: tuple[int, int]) -> Tensor:
+        """The windows input for a (long, short) pair of attention_windows, on the model's device."""
+        return torch.tensor(windows, dtype=torch.int64, device=self.embed.weight.device)
 
-    def kv_cache(self, long_blocks: int, max_len: int | None = None) -> "KVCache":
-        """An empty cache for decode() with a fixed long window."""
-        return KVCache(self, window_tensor(long_blocks, short_cap=self.config.short_window_cap), max_len)
+    def kv_cache(self, windows: tuple[int, int], max_len: int | None = None) -> "KVCache":
+        """An empty cache for decode() with a (long, short) pair of attention_windows."""
+        return KVCache(self, self.window(windows), max_len)
 
     def softcapped(self, logits: Tensor) -> Tensor:
         """Head outputs as the loss sees them: fp32, through the model's softcap."""
@@ -1712,8 +1757,9 @@ class GPT(nn.Module):
         the sequence). Embedding lookups, norms, gates' elementwise work and the loss are left out."""
         tables = {id(m.weight) for m in self.modules() if isinstance(m, nn.Embedding)}
         weights = sum(p.numel() for p in self.parameters() if p.ndim >= 2 and id(p) not in tables)
-        keys = sum(min(BLOCK_SIZE * (windows[0] if is_long else windows[1]), seq_len)
-                   for is_long, attends in zip(self.roles.long_window, self.roles.attention) if attends)
+        keys = sum(min(BLOCK_SIZE * window, seq_len)
+                   for window, attends in zip(layer_windows(windows, self.roles), self.roles.attention)
+                   if attends)
         return 6 * weights + 12 * self.config.n_head * self.config.head_dim * keys
 
 
@@ -1732,7 +1778,7 @@ class KVCache:
                              "context")
         device = model.embed.weight.device
         windows = self.window_pair = windows.to(device)
-        self.windows = [windows[0] if is_long else windows[1] for is_long in model.roles.long_window]
+        self.windows = layer_windows(windows, model.roles)
         self.window_sizes = [int(w) for w in self.windows]  # host copies: no device sync per token
         self.keys: list[Tensor | None] = [None] * len(model.blocks)
         self.values: list[Tensor | None] = [None] * len(model.blocks)
@@ -1762,7 +1808,7 @@ class KVCache:
         self.keys[layer][:, self.start:self.length] = k
         self.values[layer][:, self.start:self.length] = v
         window = self.windows[layer]
-        first = max(0, (self.start // BLOCK_SIZE - self.window_sizes[layer] + 1) * BLOCK_SIZE)  # oldest key in any window
+        first = first_key_in_window(self.start, self.window_sizes[layer])  # the new queries' oldest key
         q_idx = torch.arange(self.start, self.length, device=q.device)[:, None]
         kv_idx = torch.arange(first, self.length, device=q.device)[None, :]
         mask = attention_allowed(self.docs, q_idx, kv_idx, window)
@@ -2507,31 +2553,6 @@ def mtp_loss_weights(step: int, num_iterations: int, n_tokens: int, frac: float 
     return weights
 
 
-def attention_windows(step: int, args: Hyperparameters) -> tuple[int, int]:
-    """(long, short) attention windows in blocks at a step. R: the long window grows linearly to
-    window_final_tokens, rounded up to whole blocks; the short-window layers see half of it. Track 2's 2025-12-31
-    record: the long window steps through --window_stages over equal stages of training, the short one capped."""
-    if not args.sliding_window:
-        return window_pair(max(args.seq_len, args.val_seq_len) // BLOCK_SIZE)
-    if args.window_stages:
-        stages = window_stage_blocks(args.window_stages)
-        return window_pair(stages[min(len(stages) * step // args.num_iterations, len(stages) - 1)],
-                           args.short_window_cap)
-    tokens = max(next_multiple(args.window_final_tokens * step / args.num_iterations, BLOCK_SIZE), BLOCK_SIZE)
-    return window_pair(tokens // BLOCK_SIZE, args.short_window_cap)
-
-
-def window_pair(long_blocks: int, short_cap: int = 0) -> tuple[int, int]:
-    """A long window and its short one: half of it, at least one block, and at most short_cap blocks if set."""
-    short = max(long_blocks // 2, 1)
-    return long_blocks, min(short, short_cap) if short_cap else short
-
-
-def window_tensor(long_blocks: int, device: torch.device | str | None = None, short_cap: int = 0) -> Tensor:
-    """The model's windows input, (long, short) in blocks, for a fixed long window (the tools, tests)."""
-    return torch.tensor(window_pair(long_blocks, short_cap), dtype=torch.int64, device=device)
-
-
 class StepTensors:
     """The schedules' per-step model inputs, made on the device once at start-up: a training step indexes
     them and never copies from the host (a copy from pageable memory waits for the device to drain)."""
@@ -2773,7 +2794,7 @@ def train_loop(run: Run, start_step: int, stop: StopSignal, resumed_from: Path |
                     if hellaswag_now:
                         from evaluation import score_during_training
                         point, line = score_during_training(run.model, run.hellaswag_items,
-                                                            attention_windows(step, args)[0], rt, step, N)
+                                                            attention_windows(step, args), rt, step, N)
                         results.hellaswag_curve.append(point)
                         run.log.write(line)
                 if step == N or args.stop_at_target and results.target and results.target["step"] == step:
@@ -2928,7 +2949,7 @@ def finish(run: Run, start_step: int, end_step: int, clock: Clock, results: Resu
     samples = []
     if args.sample_at_end > 0 and rt.is_master:
         from evaluation import log_samples
-        samples = log_samples(run.model, args.sample_at_end, attention_windows(end_step, args)[0], args.seed, log)
+        samples = log_samples(run.model, args.sample_at_end, attention_windows(end_step, args), args.seed, log)
     if args.checkpoint_final:
         run.save_checkpoint(end_step, segments, watch, results.target)
     if rt.is_master:
