@@ -1064,7 +1064,7 @@ def window_pair(long_blocks: int, short_cap: int = 0) -> tuple[int, int]:
 
 
 def window_tensor(long_blocks: int, device: torch.device | str | None = None, short_cap: int = 0) -> Tensor:
-    """The model's windows input, (long, short) in blocks, for a fixed long window (the tools, tests)."""
+    """The model's windows input, (long, short) in blocks, for a fixed long window (the tests' shorthand)."""
     return torch.tensor(window_pair(long_blocks, short_cap), dtype=torch.int64, device=device)
 
 
