@@ -60,16 +60,16 @@ def padded_to_blocks(model, tokens: list[int]) -> Tensor:
 
 
 @torch.no_grad()
-def generate(model, prompt: list[int], max_new_tokens: int, window_blocks: int, temperature: float = 1.0,
+def generate(model, prompt: list[int], max_new_tokens: int, windows: tuple[int, int], temperature: float = 1.0,
              top_k: int = 0, generator: torch.Generator | None = None, kv_cache: bool = True) -> list[int]:
     """New tokens after prompt (which fits the context), stopping before an EOT the model emits. kv_cache=False
     runs the ordinary forward over the whole prefix for every token: the reference the cache is tested against."""
     device = model.embed.weight.device
     out: list[int] = []
     if kv_cache:
-        cache = model.kv_cache(window_blocks, max_len=len(prompt) + max_new_tokens)
+        cache = model.kv_cache(windows, max_len=len(prompt) + max_new_tokens)
         logits = model.decode(torch.tensor(prompt, device=device), cache)
-    window = model.window(window_blocks)
+    window = model.window(windows)
     for i in range(max_new_tokens):
         if not kv_cache:
             sequence = prompt + out
@@ -87,11 +87,11 @@ END_OF_RUN_TOKENS = 64  # --sample_at_end: short samples from a document start .
 END_OF_RUN_TOP_K = 50  # ... at temperature 1 among the 50 likeliest tokens
 
 
-def end_of_run_samples(model, n: int, window_blocks: int, seed: int) -> list[str]:
+def end_of_run_samples(model, n: int, windows: tuple[int, int], seed: int) -> list[str]:
     """--sample_at_end: n short unconditional samples, drawn with a generator of their own."""
     enc = gpt2_tokenizer()
     generator = torch.Generator(device=model.embed.weight.device).manual_seed(seed)
-    return [enc.decode(generate(model, [model.eot_token], END_OF_RUN_TOKENS, window_blocks, 1.0, END_OF_RUN_TOP_K,
+    return [enc.decode(generate(model, [model.eot_token], END_OF_RUN_TOKENS, windows, 1.0, END_OF_RUN_TOP_K,
                                 generator)) for _ in range(n)]
 
 
@@ -265,11 +265,11 @@ class HellaSwagScore:
         return self.correct_norm / max(self.examples, 1)
 
 
-def hellaswag_score(model, items: list[tuple[list[Candidate], int]], window_blocks: int,
+def hellaswag_score(model, items: list[tuple[list[Candidate], int]], windows: tuple[int, int],
                     pack_tokens: int = HELLASWAG_PACK_TOKENS, show_progress: bool = False) -> HellaSwagScore:
     """acc and acc_norm over tokenized examples (ties go to the first ending)."""
     pack_tokens = min(pack_tokens, model.context_len)
-    window = model.window(window_blocks)
+    window = model.window(windows)
     losses = ending_losses(model, [row for rows, _ in items for row in rows], window, pack_tokens, show_progress)
     predictions, correct, correct_norm = [], 0, 0
     for i, (_, label) in enumerate(items):
@@ -283,11 +283,11 @@ def hellaswag_score(model, items: list[tuple[list[Candidate], int]], window_bloc
 
 
 @torch.no_grad()
-def hellaswag_accuracy(model, items: list, window_blocks: int, place) -> tuple[float, float, int]:
+def hellaswag_accuracy(model, items: list, windows: tuple[int, int], place) -> tuple[float, float, int]:
     """(acc, acc_norm, examples) over every rank's share (place: train_gpt's Place), the counts summed like the
     validation losses."""
     model.eval()
-    result = hellaswag_score(model, items, window_blocks, show_progress=place.is_master)
+    result = hellaswag_score(model, items, windows, show_progress=place.is_master)
     counts = torch.tensor([result.correct, result.correct_norm, result.examples], dtype=torch.float64,
                           device=place.device)
     if place.world_size > 1:
@@ -297,11 +297,12 @@ def hellaswag_accuracy(model, items: list, window_blocks: int, place) -> tuple[f
     return correct / n, correct_norm / n, int(n)
 
 
-def score_during_training(model, items: list, window_blocks: int, place, step: int, total: int) -> tuple[list, str]:
+def score_during_training(model, items: list, windows: tuple[int, int], place, step: int,
+                          total: int) -> tuple[list, str]:
     """--hellaswag_every at a step: the summary curve's point [step, acc, acc_norm, examples] and the run log's line
     (place: train_gpt's Place; every rank scores its share)."""
     started = time.perf_counter()
-    acc, acc_norm, n = hellaswag_accuracy(model, items, window_blocks, place)
+    acc, acc_norm, n = hellaswag_accuracy(model, items, windows, place)
     return [step, acc, acc_norm, n], progress_line(step, total, hellaswag_acc=acc, hellaswag_acc_norm=acc_norm,
                                                    hellaswag_examples=n,
                                                    hellaswag_time=1000 * (time.perf_counter() - started))
@@ -320,10 +321,10 @@ def prepare_downstream(sample_at_end: int, hellaswag_every: int, hellaswag_data:
     return items[place.rank::place.world_size]
 
 
-def log_samples(model, n: int, window_blocks: int, seed: int, log) -> list[str]:
+def log_samples(model, n: int, windows: tuple[int, int], seed: int, log) -> list[str]:
     """--sample_at_end: n short samples from the final model, one JSON-quoted line each in the run log."""
     model.eval()
-    texts = end_of_run_samples(model, n, window_blocks, seed)
+    texts = end_of_run_samples(model, n, windows, seed)
     model.train()
     for i, text in enumerate(texts):
         log.write(f"sample {i + 1}/{len(texts)}: {json.dumps(text)}")

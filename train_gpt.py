@@ -440,15 +440,6 @@ def only_track_2(what: str) -> dict[str, str]:
             for preset in PRESETS if preset != "medium"}
 
 
-def window_stage_blocks(text: str) -> list[int] | None:
-    """--window_stages as block counts; None if the text is not such a list."""
-    try:
-        blocks = [int(part) for part in text.split(",")]
-    except ValueError:
-        return None
-    return blocks if all(b >= 1 for b in blocks) else None
-
-
 # Gate lrs are fractions of scalar_lr (0.04 = 5 x the record's Adam lr 0.008): 2025-12-29_VeSkipGates has the
 # smear gate at 0.01 x and the skip gate at 0.05 x that Adam lr, 2026-05-20_BigramsSignTrick the others at 1 x.
 TECHNIQUES: tuple[Technique, ...] = (
@@ -1182,55 +1173,71 @@ def validation_sequences(files: list[Path], args: Hyperparameters, rank: int, wo
 
 
 # -----------------------------------------------------------------------------
-# Model
+# Attention windows: every layer's window at every step, and the masks that apply it
+#
+# A window is a count of BLOCK_SIZE-token blocks: a query in block i sees its document's keys in blocks i-w+1..i.
+# attention_windows(step, args) is the one schedule, the (long, short) pair at a step, for every phase: training,
+# validation and the warm-up (StepTensors), FLOP counts, HellaSwag and the samples (at their step), the tools
+# (at the checkpoint's step, or num_iterations for the final window). layer_windows gives each layer its half of
+# the pair. The masks apply a layer's window: attention_allowed is the rule, the others build it per backend.
 
-def rms_norm(x: Tensor) -> Tensor:
-    return F.rms_norm(x, (x.size(-1),))
+def attention_windows(step: int, args: Hyperparameters) -> tuple[int, int]:
+    """(long, short) attention windows in blocks at a step. R: the long window grows linearly to
+    window_final_tokens, rounded up to whole blocks; the short-window layers see half of it. Track 2's 2025-12-31
+    record: the long window steps through --window_stages over equal stages of training, the short one capped."""
+    if not args.sliding_window:
+        return window_pair(max(args.seq_len, args.val_seq_len) // BLOCK_SIZE)
+    if args.window_stages:
+        stages = window_stage_blocks(args.window_stages)
+        return window_pair(stages[min(len(stages) * step // args.num_iterations, len(stages) - 1)],
+                           args.short_window_cap)
+    tokens = max(next_multiple(args.window_final_tokens * step / args.num_iterations, BLOCK_SIZE), BLOCK_SIZE)
+    return window_pair(tokens // BLOCK_SIZE, args.short_window_cap)
 
 
-@dataclass(frozen=True)
-class LayerRoles:
-    """Every depth-dependent role of the U-net layout, derived in one place.
+def window_pair(long_blocks: int, short_cap: int = 0) -> tuple[int, int]:
+    """A long window and its short one: half of it, at least one block, and at most short_cap blocks if set."""
+    short = max(long_blocks // 2, 1)
+    return long_blocks, min(short, short_cap) if short_cap else short
 
-    For 12 layers: value embeddings 0,1,2 at layers 0-2 and again at 9-11, no attention
-    in layer 7, windows L S S S L S | S L S S S L, layers 0-5 feed skips into 11-6.
-    """
-    value_embed: tuple[int | None, ...]  # table index used by each layer
-    attention: tuple[bool, ...]
-    long_window: tuple[bool, ...]
-    n_encoder: int
-    n_value_embeds: int
-    paired_heads: tuple[bool, ...]  # attention layers whose head pairs attend as one
-    key_offset: tuple[bool, ...]  # attention layers whose keys take the previous token's stationary dims
-    backout_layer: int | None  # the stream entering this layer is backed out before the head
 
-    VALUE_EMBED_TABLES = 3  # R: three value-embedding tables, read by the first three and the last three layers
-    # (track 2's records: five, --value_embed_tables)
-    LONG_WINDOW_EVERY = 4  # R: encoder layers 0, 4, ... have the long window; the decoder mirrors the encoder
-    NO_ATTENTION_OFFSET = 1  # R: the layer just after the middle (7 of 12) has no attention, only its MLP
-    BACKOUT_FRACTION = Fraction(3, 4)  # 2025-10-04_Backout: the stream after block 8 of 12 (0-based), entering 9
+def window_tensor(long_blocks: int, device: torch.device | str | None = None, short_cap: int = 0) -> Tensor:
+    """The model's windows input, (long, short) in blocks, for a fixed long window (the tests' shorthand)."""
+    return torch.tensor(window_pair(long_blocks, short_cap), dtype=torch.int64, device=device)
 
-    @staticmethod
-    def for_depth(n_layer: int, value_embeds: bool = True, paired_heads: bool = False, key_offset: bool = False,
-                  backout: bool = False, value_embed_tables: int = VALUE_EMBED_TABLES,
-                  attention_free_layer: bool = True) -> "LayerRoles":
-        n_enc = n_layer // 2
-        n_ve = min(value_embed_tables, n_enc) if value_embeds else 0
-        ve: list[int | None] = [None] * n_layer
-        for i in range(n_ve):
-            ve[i] = ve[n_layer - n_ve + i] = i
-        encoder_long = [i % LayerRoles.LONG_WINDOW_EVERY == 0 for i in range(n_enc)]
-        attention = [not attention_free_layer or i != n_enc + LayerRoles.NO_ATTENTION_OFFSET for i in range(n_layer)]
-        long_window = encoder_long + encoder_long[::-1]
-        # 2026-01-07_PairedHeadAttention pairs layers 0, 2, 5, 9 of its 11: the first short-window layer and each
-        # short-window layer just before a long-window or attention-free one (1, 3, 6, 10 of our 12)
-        short = [i for i in range(n_layer) if attention[i] and not long_window[i]]
-        paired = {i for i in short if i == short[0] or i + 1 < n_layer and (long_window[i + 1] or not attention[i + 1])}
-        return LayerRoles(value_embed=tuple(ve), attention=tuple(attention), long_window=tuple(long_window),
-                          n_encoder=n_enc, n_value_embeds=n_ve,
-                          paired_heads=tuple(paired_heads and i in paired for i in range(n_layer)),
-                          key_offset=tuple(key_offset and attention[i] and long_window[i] for i in range(n_layer)),
-                          backout_layer=int(n_layer * LayerRoles.BACKOUT_FRACTION) if backout else None)
+
+MAX_EAGER_WINDOWS = 4096  # more distinct windows than this (absurd flags) are made as steps reach them
+
+
+def window_pairs(args: Hyperparameters) -> set[tuple[int, int]] | None:
+    """Every (long, short) window pair the schedule can reach, found stage by stage or block by block rather than
+    step by step (a superset where blocks are skipped); None when there are more than MAX_EAGER_WINDOWS."""
+    if not args.sliding_window:
+        return {attention_windows(0, args)}
+    if args.window_stages:
+        return {window_pair(blocks, args.short_window_cap) for blocks in window_stage_blocks(args.window_stages)}
+    final_blocks = max(next_multiple(args.window_final_tokens, BLOCK_SIZE) // BLOCK_SIZE, 1)  # the growth's end
+    if final_blocks <= MAX_EAGER_WINDOWS:
+        return {window_pair(blocks, args.short_window_cap) for blocks in range(1, final_blocks + 1)}
+    if args.num_iterations < MAX_EAGER_WINDOWS:
+        return {attention_windows(step, args) for step in range(args.num_iterations + 1)}
+    return None
+
+
+def layer_windows(windows, roles: LayerRoles) -> list:
+    """Each layer's entry of a (long, short) pair: the long one on the layout's long-window layers, the short one
+    on the others. windows: attention_windows' ints, the model's (2,) tensor of them, or (0, 1) for each layer's
+    index into it."""
+    return [windows[0] if is_long else windows[1] for is_long in roles.long_window]
+
+
+def window_stage_blocks(text: str) -> list[int] | None:
+    """--window_stages as block counts; None if the text is not such a list."""
+    try:
+        blocks = [int(part) for part in text.split(",")]
+    except ValueError:
+        return None
+    return blocks if all(b >= 1 for b in blocks) else None
 
 
 def document_ids(tokens: Tensor) -> Tensor:
@@ -1342,6 +1349,63 @@ def sliding_window_block_mask(tokens: Tensor, window_blocks: Tensor):
     full_counts, full_idx = kv_order(full)
     return BlockMask.from_kv_blocks(partial_counts, partial_idx, full_counts, full_idx,
                                     BLOCK_SIZE=BLOCK_SIZE, mask_mod=mask_mod)
+
+
+def first_key_in_window(query: int, window_blocks: int) -> int:
+    """The first position a query at `query` may attend to under a window of window_blocks blocks."""
+    return max(0, (query // BLOCK_SIZE - window_blocks + 1) * BLOCK_SIZE)
+
+
+# -----------------------------------------------------------------------------
+# Model
+
+def rms_norm(x: Tensor) -> Tensor:
+    return F.rms_norm(x, (x.size(-1),))
+
+
+@dataclass(frozen=True)
+class LayerRoles:
+    """Every depth-dependent role of the U-net layout, derived in one place.
+
+    For 12 layers: value embeddings 0,1,2 at layers 0-2 and again at 9-11, no attention
+    in layer 7, windows L S S S L S | S L S S S L, layers 0-5 feed skips into 11-6.
+    """
+    value_embed: tuple[int | None, ...]  # table index used by each layer
+    attention: tuple[bool, ...]
+    long_window: tuple[bool, ...]
+    n_encoder: int
+    n_value_embeds: int
+    paired_heads: tuple[bool, ...]  # attention layers whose head pairs attend as one
+    key_offset: tuple[bool, ...]  # attention layers whose keys take the previous token's stationary dims
+    backout_layer: int | None  # the stream entering this layer is backed out before the head
+
+    VALUE_EMBED_TABLES = 3  # R: three value-embedding tables, read by the first three and the last three layers
+    # (track 2's records: five, --value_embed_tables)
+    LONG_WINDOW_EVERY = 4  # R: encoder layers 0, 4, ... have the long window; the decoder mirrors the encoder
+    NO_ATTENTION_OFFSET = 1  # R: the layer just after the middle (7 of 12) has no attention, only its MLP
+    BACKOUT_FRACTION = Fraction(3, 4)  # 2025-10-04_Backout: the stream after block 8 of 12 (0-based), entering 9
+
+    @staticmethod
+    def for_depth(n_layer: int, value_embeds: bool = True, paired_heads: bool = False, key_offset: bool = False,
+                  backout: bool = False, value_embed_tables: int = VALUE_EMBED_TABLES,
+                  attention_free_layer: bool = True) -> "LayerRoles":
+        n_enc = n_layer // 2
+        n_ve = min(value_embed_tables, n_enc) if value_embeds else 0
+        ve: list[int | None] = [None] * n_layer
+        for i in range(n_ve):
+            ve[i] = ve[n_layer - n_ve + i] = i
+        encoder_long = [i % LayerRoles.LONG_WINDOW_EVERY == 0 for i in range(n_enc)]
+        attention = [not attention_free_layer or i != n_enc + LayerRoles.NO_ATTENTION_OFFSET for i in range(n_layer)]
+        long_window = encoder_long + encoder_long[::-1]
+        # 2026-01-07_PairedHeadAttention pairs layers 0, 2, 5, 9 of its 11: the first short-window layer and each
+        # short-window layer just before a long-window or attention-free one (1, 3, 6, 10 of our 12)
+        short = [i for i in range(n_layer) if attention[i] and not long_window[i]]
+        paired = {i for i in short if i == short[0] or i + 1 < n_layer and (long_window[i + 1] or not attention[i + 1])}
+        return LayerRoles(value_embed=tuple(ve), attention=tuple(attention), long_window=tuple(long_window),
+                          n_encoder=n_enc, n_value_embeds=n_ve,
+                          paired_heads=tuple(paired_heads and i in paired for i in range(n_layer)),
+                          key_offset=tuple(key_offset and attention[i] and long_window[i] for i in range(n_layer)),
+                          backout_layer=int(n_layer * LayerRoles.BACKOUT_FRACTION) if backout else None)
 
 
 def dense_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float) -> Tensor:
@@ -1767,10 +1831,9 @@ class GPT(nn.Module):
     def layer_attention(self, tokens: Tensor, windows: Tensor) -> list:
         """Each layer's attention: the backend with the layer's window mask, over paired positions for
         paired-head layers (each kind of mask built once)."""
-        kinds = list(zip(self.roles.long_window, self.roles.paired_heads))
-        masks = {(is_long, paired): self.backend.build_mask(paired_tokens(tokens) if paired else tokens,
-                                                            windows[0] if is_long else windows[1])
-                 for is_long, paired in dict.fromkeys(kinds)}
+        kinds = list(zip(layer_windows((0, 1), self.roles), self.roles.paired_heads))
+        masks = {(which, paired): self.backend.build_mask(paired_tokens(tokens) if paired else tokens, windows[which])
+                 for which, paired in dict.fromkeys(kinds)}
         return [attention_with(self.backend, masks[kind]) for kind in kinds]
 
     def trunk(self, tokens: Tensor, layer_attention: list, offset: int = 0) -> Tensor:
@@ -1835,13 +1898,13 @@ class GPT(nn.Module):
     eot_token = EOT_TOKEN
     block_size = BLOCK_SIZE
 
-    def window(self, long_blocks: int) -> Tensor:
-        """The windows input for a fixed long window, on the model's device."""
-        return window_tensor(long_blocks, self.embed.weight.device, self.config.short_window_cap)
+    def window(self, windows: tuple[int, int]) -> Tensor:
+        """The windows input for a (long, short) pair of attention_windows, on the model's device."""
+        return torch.tensor(windows, dtype=torch.int64, device=self.embed.weight.device)
 
-    def kv_cache(self, long_blocks: int, max_len: int | None = None) -> "KVCache":
-        """An empty cache for decode() with a fixed long window."""
-        return KVCache(self, window_tensor(long_blocks, short_cap=self.config.short_window_cap), max_len)
+    def kv_cache(self, windows: tuple[int, int], max_len: int | None = None) -> "KVCache":
+        """An empty cache for decode() with a (long, short) pair of attention_windows."""
+        return KVCache(self, self.window(windows), max_len)
 
     def softcapped(self, logits: Tensor) -> Tensor:
         """Head outputs as the loss sees them: fp32, through the model's softcap."""
@@ -1854,8 +1917,9 @@ class GPT(nn.Module):
         the sequence). Embedding lookups, norms, gates' elementwise work and the loss are left out."""
         tables = {id(m.weight) for m in self.modules() if isinstance(m, nn.Embedding)}
         weights = sum(p.numel() for p in self.parameters() if p.ndim >= 2 and id(p) not in tables)
-        keys = sum(min(BLOCK_SIZE * (windows[0] if is_long else windows[1]), seq_len)
-                   for is_long, attends in zip(self.roles.long_window, self.roles.attention) if attends)
+        keys = sum(min(BLOCK_SIZE * window, seq_len)
+                   for window, attends in zip(layer_windows(windows, self.roles), self.roles.attention)
+                   if attends)
         return 6 * weights + 12 * self.config.n_head * self.config.head_dim * keys
 
 
@@ -1874,7 +1938,7 @@ class KVCache:
                              "context")
         device = model.embed.weight.device
         windows = self.window_pair = windows.to(device)
-        self.windows = [windows[0] if is_long else windows[1] for is_long in model.roles.long_window]
+        self.windows = layer_windows(windows, model.roles)
         self.window_sizes = [int(w) for w in self.windows]  # host copies: no device sync per token
         self.keys: list[Tensor | None] = [None] * len(model.blocks)
         self.values: list[Tensor | None] = [None] * len(model.blocks)
@@ -1904,7 +1968,7 @@ class KVCache:
         self.keys[layer][:, self.start:self.length] = k
         self.values[layer][:, self.start:self.length] = v
         window = self.windows[layer]
-        first = max(0, (self.start // BLOCK_SIZE - self.window_sizes[layer] + 1) * BLOCK_SIZE)  # oldest key in any window
+        first = first_key_in_window(self.start, self.window_sizes[layer])  # the new queries' oldest key
         q_idx = torch.arange(self.start, self.length, device=q.device)[:, None]
         kv_idx = torch.arange(first, self.length, device=q.device)[None, :]
         mask = attention_allowed(self.docs, q_idx, kv_idx, window)
@@ -2090,7 +2154,7 @@ def build_model(args: Hyperparameters, rt: Runtime) -> GPT:
 
 
 # -----------------------------------------------------------------------------
-# Optimizers: a reduce-scatter gradient loop feeding sharded Muon and Adam
+# Optimizers: Muon's and Adam's update math on what each rank owns (the gradient's path: the next section)
 
 def quintic_iterations(G: Tensor, coefficients: list[tuple[float, float, float]], norm_scale: float,
                        eps: float) -> Tensor:
@@ -2131,110 +2195,6 @@ POLAR_EXPRESS_COEFFICIENTS = [
 def polar_express(G: Tensor, steps: int = 5) -> Tensor:
     """Polar Express orthogonalisation; the record divides by 1.02 x the norm as a safety margin for bf16."""
     return quintic_iterations(G, POLAR_EXPRESS_COEFFICIENTS[:steps], 1.02, 1e-6)
-
-
-class Bucket:
-    """Parameters whose summed gradient is reduce-scattered as one tensor, with its persistent buffers.
-
-    A Muon bucket holds world_size same-shape matrices (None pads the last one): rank r receives
-    matrix r's whole gradient. An Adam bucket holds one parameter: rank r receives slice r of it.
-    The communication buffers live as long as the bucket, so a step allocates nothing for them.
-    """
-
-    def __init__(self, params: list[nn.Parameter | None], muon: bool, world_size: int):
-        self.params, self.muon, self.world_size = params, muon, world_size
-        self.real = [p for p in params if p is not None]
-        ref = self.real[0]
-        numel = ref.numel()
-        self.shard_numel = numel if muon else -(-numel // world_size)
-        self.ready = 0
-        self.work = None
-        self.shard: Tensor | None = None
-        # Reduce-scatter input: a copy only where the gradient is not already one flat tensor.
-        needs_copy = world_size > 1 and (muon or self.shard_numel * world_size != numel)
-        self.grads_in = ref.new_zeros(self.shard_numel * world_size) if needs_copy else None
-        self.grad_out = ref.new_empty(self.shard_numel) if world_size > 1 else None
-        # All-gather buffers: Muon sends bf16 updates (as the record does), Adam the parameter's dtype.
-        gather_dtype = torch.bfloat16 if muon else ref.dtype
-        self.gather_in = ref.new_zeros(self.shard_numel, dtype=gather_dtype) if world_size > 1 else None
-        self.gather_out = ref.new_empty(self.shard_numel * world_size, dtype=gather_dtype) if world_size > 1 else None
-
-    def flat_grads(self) -> Tensor:
-        """The gradients to reduce, flattened; a missing gradient or padding slot counts as zero."""
-        if self.grads_in is None:
-            g = self.real[0].grad
-            return torch.zeros(self.shard_numel * self.world_size, device=self.real[0].device,
-                               dtype=self.real[0].dtype) if g is None else g.view(-1)
-        for j, p in enumerate(self.params):  # Muon: matrix j in slot j; Adam: the one parameter, then padding
-            if p is not None:
-                dest = self.grads_in[j * p.numel():(j + 1) * p.numel()]
-                dest.zero_() if p.grad is None else dest.copy_(p.grad.view(-1))
-        return self.grads_in
-
-
-class GradientSync:
-    """Reduce-scatters each bucket's gradient as early as the autograd engine allows.
-
-    Eager backward (CPU, --compile=loss/off): each bucket is launched from post-accumulate-grad hooks
-    the moment its last gradient is ready, so communication overlaps the rest of backward.
-    Compiled model (--compile=model): AOTAutograd runs the whole backward as one graph node, and the
-    AccumulateGrad nodes (and their hooks) run only after it returns, in one burst (bench/overlap_probe.py
-    shows it on CPU). There is no backward left to overlap, so no hooks are registered: finish() launches
-    every bucket in the order the optimizers consume them, and the update math of the first buckets
-    overlaps the transfer of the later ones. Only the last micro-step of an accumulation step communicates.
-    """
-
-    def __init__(self, buckets: list[Bucket], world_size: int, launch_from_hooks: bool = True):
-        self.buckets, self.world_size = buckets, world_size
-        self.armed = False
-        self.bucket_of = {p: b for b in buckets for p in b.real}
-        self.launched: set[int] = set()
-        if launch_from_hooks:
-            for p in self.bucket_of:
-                p.register_post_accumulate_grad_hook(self._on_grad_ready)
-
-    def arm(self, last_micro_step: bool) -> None:
-        self.armed = last_micro_step
-
-    def _on_grad_ready(self, p: Tensor) -> None:
-        if not self.armed:
-            return
-        bucket = self.bucket_of[p]
-        bucket.ready += 1
-        if bucket.ready == len(bucket.real):
-            self._launch(bucket)
-
-    def _launch(self, bucket: Bucket) -> None:
-        flat = bucket.flat_grads()
-        if self.world_size == 1:
-            bucket.shard = flat
-        else:
-            bucket.shard = bucket.grad_out
-            bucket.work = TORCH_API.reduce_scatter_flat(bucket.shard, flat, op=dist.ReduceOp.SUM, async_op=True)
-        self.launched.add(id(bucket))
-
-    def finish(self) -> None:
-        """Launches the buckets not launched yet (all of them without hooks; else those without a gradient)."""
-        for bucket in self.buckets:
-            if id(bucket) not in self.launched:
-                self._launch(bucket)
-        self.armed = False
-
-    def wait(self, bucket: Bucket, scale: float) -> Tensor:
-        """This rank's summed gradient shard for the bucket, in fp32, times scale."""
-        if bucket.work is not None:
-            bucket.work.wait()
-        shard = bucket.shard.float() * scale
-        bucket.work, bucket.shard, bucket.ready = None, None, 0
-        return shard
-
-    def reset(self) -> None:
-        self.launched.clear()
-
-
-def all_gather_into(bucket: Bucket):
-    """Starts the all-gather of every rank's bucket.gather_in into bucket.gather_out."""
-    return TORCH_API.all_gather_flat(bucket.gather_out, bucket.gather_in, async_op=True)
 
 
 class Muon:
@@ -2340,52 +2300,47 @@ class ShardedAdam:
     """Adam for the rank-owned slice of each parameter, on an fp32 master copy of that slice.
 
     The update itself is torch's fused AdamW (decoupled weight decay, zero for most groups)
-    over the master slices; the new slices are cast to the parameter dtype and all-gathered.
+    over the master slices; the new slices are cast to the parameter dtype and all-gathered. Every master is
+    fed and read at its parameter's offset in its bucket, so several small parameters share one bucket.
     """
 
-    def __init__(self, groups: list[tuple[Bucket, AdamGroup]], rank: int, betas: tuple[float, float],
-                 eps: float, names: dict[Tensor, str]):
-        self.buckets = [bucket for bucket, _ in groups]
-        self.rank = rank
-        self.names = [names[bucket.real[0]] for bucket in self.buckets]
-        self.masters = [self._owned_slice(bucket).float().clone() for bucket in self.buckets]
-        param_groups = [dict(params=[master], lr=g.lr, base_lr=g.lr, weight_decay=g.weight_decay,
-                             cautious_wd=g.cautious_wd, betas=g.betas or betas)
-                        for master, (_, g) in zip(self.masters, groups)]
+    def __init__(self, buckets: list[Bucket], groups: dict[Tensor, AdamGroup], rank: int,
+                 betas: tuple[float, float], eps: float, names: dict[Tensor, str]):
+        self.buckets, self.rank = buckets, rank
+        # One master per parameter: its slice sits at offset in the bucket's shard (Bucket.offsets).
+        self.slots = [(bucket, p, offset) for bucket in buckets for p, offset in zip(bucket.real, bucket.offsets)]
+        self.params = [p for _, p, _ in self.slots]
+        self.names = [names[p] for p in self.params]
+        self.masters = [owned_slice(p, rank, bucket.world_size).float().clone() for bucket, p, _ in self.slots]
+        param_groups = [dict(params=[master], lr=groups[p].lr, base_lr=groups[p].lr,
+                             weight_decay=groups[p].weight_decay, cautious_wd=groups[p].cautious_wd,
+                             betas=groups[p].betas or betas) for master, p in zip(self.masters, self.params)]
         fused = all(m.device.type in ("cpu", "cuda") for m in self.masters)
         self.adam = torch.optim.AdamW(param_groups, betas=betas, eps=eps, fused=fused)
 
-    def _owned_slice(self, bucket: Bucket) -> Tensor:
-        flat = bucket.real[0].data.view(-1)
-        lo = min(self.rank * bucket.shard_numel, flat.numel())
-        return flat[lo:min(lo + bucket.shard_numel, flat.numel())]
-
     def step(self, sync: GradientSync, scale: float, lr_mult: float) -> list:
         """Updates the master slices and starts the all-gathers; returns them for finish_step."""
-        for bucket, master in zip(self.buckets, self.masters):
-            master.grad = sync.wait(bucket, scale)[:master.numel()]
+        shards = {id(bucket): sync.wait(bucket, scale) for bucket in self.buckets}
+        for (bucket, _, offset), master in zip(self.slots, self.masters):
+            master.grad = shards[id(bucket)][offset:offset + master.numel()]
         for group in self.adam.param_groups:
             group["lr"] = group["base_lr"] * lr_mult
             if group["cautious_wd"]:
                 self._cautious_decay(group)
         self.adam.step()
-        gathers = []
-        for bucket, master in zip(self.buckets, self.masters):
+        for (bucket, p, offset), master in zip(self.slots, self.masters):
             master.grad = None
-            p = bucket.real[0]
             if bucket.world_size == 1:
                 p.data.view(-1).copy_(master)
-                continue
-            bucket.gather_in[:master.numel()].copy_(master)
-            gathers.append((bucket, all_gather_into(bucket)))
-        return gathers
+            else:
+                bucket.gather_in[offset:offset + master.numel()].copy_(master)
+        return [(bucket, all_gather_into(bucket)) for bucket in self.buckets if bucket.world_size > 1]
 
     @staticmethod
     def finish_step(gathers: list) -> None:
         for bucket, work in gathers:
             work.wait()
-            p = bucket.real[0]
-            p.data.view(-1).copy_(bucket.gather_out[:p.numel()])
+            bucket.copy_gathered()
 
     def _cautious_decay(self, group: dict) -> None:
         """master -= lr * (lr * wd) * master where this step's Adam update has the master's sign. That sign
@@ -2410,13 +2365,208 @@ class ShardedAdam:
         """adam/<parameter name>/<master|exp_avg|exp_avg_sq|step>: the slices as pieces of the flat
         parameter, which any world size can cut again; the step count is the same on every rank."""
         out: dict[str, Tensor | FlatShard] = {}
-        for name, bucket, master in zip(self.names, self.buckets, self.masters):
-            state, numel = self.adam_state(master), bucket.real[0].numel()
+        for name, p, master in zip(self.names, self.params, self.masters):
+            state, numel = self.adam_state(master), p.numel()
             out[f"adam/{name}/master"] = FlatShard(master, numel)
             out[f"adam/{name}/exp_avg"] = FlatShard(state["exp_avg"], numel)
             out[f"adam/{name}/exp_avg_sq"] = FlatShard(state["exp_avg_sq"], numel)
             out[f"adam/{name}/step"] = state["step"]
         return out
+
+
+def owned_slice(p: Tensor, rank: int, world_size: int) -> Tensor:
+    """Rank's slice of p flattened: torch.chunk's split (ceil(numel / world_size) each), as FlatShard records it."""
+    flat, chunk = p.data.view(-1), -(-p.numel() // world_size)
+    lo = min(rank * chunk, flat.numel())
+    return flat[lo:min(lo + chunk, flat.numel())]
+
+
+# -----------------------------------------------------------------------------
+# The gradient's path: hooks -> buckets -> reduce-scatter -> optimizer step -> all-gather
+#
+# build_optimizers sorts the parameters into buckets: Muon's matrices world_size of one shape to a bucket, each
+# large Adam parameter alone, and all the small ones (scalars, gates, lambdas) in one bucket. In backward, a hook
+# on each parameter counts its bucket's gradients; the last one launches the bucket's reduce-scatter
+# (GradientSync), so that rank r receives the summed segment r of the bucket. Optimizers.step waits for each
+# bucket's segment, Muon or Adam updates what the rank owns (whole matrices; a slice of every parameter), and
+# all-gathers the result, which every rank copies into its parameters. A step issues one reduce-scatter and one
+# all-gather per bucket; bucket_summary says how many there are, in the run log's header.
+
+class Bucket:
+    """Parameters whose summed gradient is reduce-scattered as one flat tensor, with its persistent buffers.
+
+    The flat tensor is world_size segments of shard_numel elements, and rank r receives segment r. A Muon bucket
+    (kind "muon") holds world_size same-shape matrices (None pads the last one): segment r is matrix r, whole. An
+    Adam bucket holds one parameter ("adam") or all the small ones ("small"): segment r holds slice r of each
+    (owned_slice), parameter i's at offsets[i], so the per-element math is that of one bucket per parameter.
+    The communication buffers live as long as the bucket, so a step allocates nothing for them.
+    """
+
+    def __init__(self, params: list[nn.Parameter | None], kind: str, world_size: int):
+        self.params, self.kind, self.muon, self.world_size = params, kind, kind == "muon", world_size
+        self.real = [p for p in params if p is not None]
+        ref = self.real[0]
+        chunks = [p.numel() if self.muon else -(-p.numel() // world_size) for p in self.real]
+        self.offsets = [0] * len(chunks) if self.muon else [sum(chunks[:i]) for i in range(len(chunks))]
+        self.shard_numel = chunks[0] if self.muon else sum(chunks)
+        self.ready = 0
+        self.work = None
+        self.shard: Tensor | None = None
+        # Reduce-scatter input: a copy only where the gradient is not already one flat tensor.
+        needs_copy = (not self.muon and len(self.real) > 1 or
+                      world_size > 1 and (self.muon or self.shard_numel * world_size != ref.numel()))
+        self.grads_in = ref.new_zeros(self.shard_numel * world_size) if needs_copy else None
+        self.grad_out = ref.new_empty(self.shard_numel) if world_size > 1 else None
+        # All-gather buffers: Muon sends bf16 updates (as the record does), Adam the parameter's dtype.
+        gather_dtype = torch.bfloat16 if self.muon else ref.dtype
+        self.gather_in = ref.new_zeros(self.shard_numel, dtype=gather_dtype) if world_size > 1 else None
+        self.gather_out = ref.new_empty(self.shard_numel * world_size, dtype=gather_dtype) if world_size > 1 else None
+
+    def numel(self) -> int:
+        """The elements of its parameters (without padding)."""
+        return sum(p.numel() for p in self.real)
+
+    def segments(self, flat: Tensor) -> Tensor:
+        """flat (world_size * shard_numel elements) as one row per rank's segment."""
+        return flat.view(self.world_size, self.shard_numel)
+
+    def flat_grads(self) -> Tensor:
+        """The gradients to reduce, flattened; a missing gradient or padding slot counts as zero."""
+        if self.grads_in is None:
+            g = self.real[0].grad
+            return torch.zeros(self.shard_numel * self.world_size, device=self.real[0].device,
+                               dtype=self.real[0].dtype) if g is None else g.view(-1)
+        if self.muon:
+            for j, p in enumerate(self.params):  # matrix j in slot j
+                if p is not None:
+                    dest = self.grads_in[j * p.numel():(j + 1) * p.numel()]
+                    dest.zero_() if p.grad is None else dest.copy_(p.grad.view(-1))
+            return self.grads_in
+        rows = self.segments(self.grads_in)
+        for p, offset in zip(self.real, self.offsets):  # slice r of each parameter into segment r; padding stays 0
+            chunk = -(-p.numel() // self.world_size)
+            if p.grad is None:
+                rows[:, offset:offset + chunk].zero_()
+            else:
+                copy_slices(p.grad.view(-1), rows, offset, chunk, into_rows=True)
+        return self.grads_in
+
+    def copy_gathered(self) -> None:
+        """An Adam bucket's all-gathered slices into its parameters."""
+        rows = self.segments(self.gather_out)
+        for p, offset in zip(self.real, self.offsets):
+            copy_slices(p.data.view(-1), rows, offset, -(-p.numel() // self.world_size), into_rows=False)
+
+
+def copy_slices(flat: Tensor, rows: Tensor, offset: int, chunk: int, into_rows: bool) -> None:
+    """Between a flat parameter (or gradient) and its slices, slice r at rows[r, offset:offset + chunk]: the
+    whole slices in one copy, then the shorter last one."""
+    whole = flat.numel() // chunk
+    pairs = [(flat[:whole * chunk].view(whole, chunk), rows[:whole, offset:offset + chunk])]
+    if flat.numel() > whole * chunk:
+        pairs.append((flat[whole * chunk:], rows[whole, offset:offset + flat.numel() - whole * chunk]))
+    for param_side, row_side in pairs:
+        row_side.copy_(param_side) if into_rows else param_side.copy_(row_side)
+
+
+def muon_buckets(matrices: list[nn.Parameter], world_size: int) -> list[Bucket]:
+    """The hidden matrices, world_size of one shape to a bucket (rank r orthogonalises matrix r)."""
+    by_shape: dict[tuple, list] = {}
+    for p in matrices:
+        by_shape.setdefault(tuple(p.shape), []).append(p)
+    buckets = []
+    for same in by_shape.values():
+        same = same + [None] * (-len(same) % world_size)
+        buckets += [Bucket(same[i:i + world_size], "muon", world_size) for i in range(0, len(same), world_size)]
+    return buckets
+
+
+def adam_buckets(params: list[nn.Parameter], small: list[nn.Parameter], world_size: int) -> list[Bucket]:
+    """Each large parameter alone; the small ones together (one bucket per dtype), where the first of them stands:
+    one collective for all of them instead of one each."""
+    small_ids = {id(p) for p in small}
+    groups: dict[object, list] = {}
+    for p in params:
+        groups.setdefault(p.dtype if id(p) in small_ids else id(p), []).append(p)
+    return [Bucket(ps, "small" if id(ps[0]) in small_ids else "adam", world_size) for ps in groups.values()]
+
+
+def bucket_summary(buckets: list[Bucket], world_size: int) -> str:
+    """One line for the run log's header: how many buckets (collectives per step) of each kind, and their sizes."""
+    def size(n: int) -> str:
+        return f"{n / 1e6:.1f}M" if n >= 10**6 else f"{n / 1e3:.1f}K" if n >= 10**3 else str(n)
+    kinds = []
+    for kind in ("muon", "adam", "small"):
+        sizes = sorted(b.numel() for b in buckets if b.kind == kind)
+        if sizes:
+            span = size(sizes[0]) if size(sizes[0]) == size(sizes[-1]) else f"{size(sizes[0])}-{size(sizes[-1])}"
+            kinds.append(f"{kind} {len(sizes)} x {span}")
+    return f"gradient buckets: {len(buckets)} on {world_size} rank(s) ({', '.join(kinds)} elements)"
+
+
+class GradientSync:
+    """Reduce-scatters each bucket's gradient as early as the autograd engine allows.
+
+    Eager backward (CPU, --compile=loss/off): each bucket is launched from post-accumulate-grad hooks
+    the moment its last gradient is ready, so communication overlaps the rest of backward.
+    Compiled model (--compile=model): AOTAutograd runs the whole backward as one graph node, and the
+    AccumulateGrad nodes (and their hooks) run only after it returns, in one burst (bench/overlap_probe.py
+    shows it on CPU). There is no backward left to overlap, so no hooks are registered: finish() launches
+    every bucket in the order the optimizers consume them, and the update math of the first buckets
+    overlaps the transfer of the later ones. Only the last micro-step of an accumulation step communicates.
+    """
+
+    def __init__(self, buckets: list[Bucket], world_size: int, launch_from_hooks: bool = True):
+        self.buckets, self.world_size = buckets, world_size
+        self.armed = False
+        self.bucket_of = {p: b for b in buckets for p in b.real}
+        self.launched: set[int] = set()
+        if launch_from_hooks:
+            for p in self.bucket_of:
+                p.register_post_accumulate_grad_hook(self._on_grad_ready)
+
+    def arm(self, last_micro_step: bool) -> None:
+        self.armed = last_micro_step
+
+    def _on_grad_ready(self, p: Tensor) -> None:
+        if not self.armed:
+            return
+        bucket = self.bucket_of[p]
+        bucket.ready += 1
+        if bucket.ready == len(bucket.real):
+            self._launch(bucket)
+
+    def _launch(self, bucket: Bucket) -> None:
+        flat = bucket.flat_grads()
+        if self.world_size == 1:
+            bucket.shard = flat
+        else:
+            bucket.shard = bucket.grad_out
+            bucket.work = TORCH_API.reduce_scatter_flat(bucket.shard, flat, op=dist.ReduceOp.SUM, async_op=True)
+        self.launched.add(id(bucket))
+
+    def finish(self) -> None:
+        """Launches the buckets not launched yet (all of them without hooks; else those without a gradient)."""
+        for bucket in self.buckets:
+            if id(bucket) not in self.launched:
+                self._launch(bucket)
+        self.armed = False
+
+    def wait(self, bucket: Bucket, scale: float) -> Tensor:
+        """This rank's summed gradient shard for the bucket, in fp32, times scale."""
+        if bucket.work is not None:
+            bucket.work.wait()
+        shard = bucket.shard.float() * scale
+        bucket.work, bucket.shard, bucket.ready = None, None, 0
+        return shard
+
+    def reset(self) -> None:
+        self.launched.clear()
+
+
+def all_gather_into(bucket: Bucket):
+    """Starts the all-gather of every rank's bucket.gather_in into bucket.gather_out."""
+    return TORCH_API.all_gather_flat(bucket.gather_out, bucket.gather_in, async_op=True)
 
 
 @dataclass
@@ -2460,30 +2610,23 @@ def build_optimizers(model: GPT, args: Hyperparameters, rank: int, world_size: i
     adam_groups = [AdamGroup(model.lm_head.weight, args.head_lr, args.weight_decay, adam_wd)]
     adam_groups += [AdamGroup(p, args.embed_lr, cautious_wd=adam_wd) for p in embeds]
     adam_groups += [AdamGroup(p, args.scalar_lr * gates.get(p, 1.0), betas=scalar_betas) for p in scalars]
-    muon_buckets = []
-    if args.muon:
-        by_shape: dict[tuple, list] = {}
-        for p in hidden:
-            by_shape.setdefault(tuple(p.shape), []).append(p)
-        for same in by_shape.values():
-            same = same + [None] * (-len(same) % world_size)
-            muon_buckets += [Bucket(same[i:i + world_size], True, world_size) for i in range(0, len(same), world_size)]
-    else:
+    if not args.muon:
         adam_groups += [AdamGroup(p, args.matrix_adam_lr, args.weight_decay, adam_wd) for p in hidden]
-    adam_buckets = [(Bucket([g.param], False, world_size), g) for g in adam_groups]
-    assert sum(p.numel() for b, _ in adam_buckets for p in b.real) + sum(
-        p.numel() for b in muon_buckets for p in b.real) == sum(p.numel() for p in model.parameters())
+    muon_part = muon_buckets(hidden, world_size) if args.muon else []
+    adam_part = adam_buckets([g.param for g in adam_groups], scalars, world_size)
+    assert sum(b.numel() for b in muon_part + adam_part) == sum(p.numel() for p in model.parameters())
     # Consumption order (Muon, then Adam): the launch order when the compiled backward leaves no overlap.
-    sync = GradientSync(muon_buckets + [b for b, _ in adam_buckets], world_size, launch_from_hooks=grad_sync_from_hooks)
+    sync = GradientSync(muon_part + adam_part, world_size, launch_from_hooks=grad_sync_from_hooks)
     names = {p: name for name, p in model.named_parameters()}
     # The record compiles Newton-Schulz: its five bf16 iterations fuse into a few kernels per shape.
     orthogonalize = polar_express if args.polar_express else newton_schulz
     orthogonalize = torch.compile(orthogonalize, dynamic=False) if compile_newton_schulz else orthogonalize
-    muon = Muon(muon_buckets, rank, args.muon_lr, args.ns_steps, names, orthogonalize,
+    muon = Muon(muon_part, rank, args.muon_lr, args.ns_steps, names, orthogonalize,
                 normuon_beta2=args.normuon_beta2 if args.normuon else None,
                 cautious_wd=args.muon_cautious_wd if args.cautious_wd else 0.0) if args.muon else None
     return Optimizers(sync=sync, muon=muon,
-                      adam=ShardedAdam(adam_buckets, rank, (args.adam_beta1, args.adam_beta2), args.adam_eps, names),
+                      adam=ShardedAdam(adam_part, {g.param: g for g in adam_groups}, rank,
+                                       (args.adam_beta1, args.adam_beta2), args.adam_eps, names),
                       world_size=world_size)
 
 
@@ -2572,48 +2715,7 @@ def mtp_loss_weights(step: int, num_iterations: int, n_tokens: int, frac: float 
     return weights
 
 
-def attention_windows(step: int, args: Hyperparameters) -> tuple[int, int]:
-    """(long, short) attention windows in blocks at a step. R: the long window grows linearly to
-    window_final_tokens, rounded up to whole blocks; the short-window layers see half of it. Track 2's 2025-12-31
-    record: the long window steps through --window_stages over equal stages of training, the short one capped."""
-    if not args.sliding_window:
-        return window_pair(max(args.seq_len, args.val_seq_len) // BLOCK_SIZE)
-    if args.window_stages:
-        stages = window_stage_blocks(args.window_stages)
-        return window_pair(stages[min(len(stages) * step // args.num_iterations, len(stages) - 1)],
-                           args.short_window_cap)
-    tokens = max(next_multiple(args.window_final_tokens * step / args.num_iterations, BLOCK_SIZE), BLOCK_SIZE)
-    return window_pair(tokens // BLOCK_SIZE, args.short_window_cap)
-
-
-def window_pair(long_blocks: int, short_cap: int = 0) -> tuple[int, int]:
-    """A long window and its short one: half of it, at least one block, and at most short_cap blocks if set."""
-    short = max(long_blocks // 2, 1)
-    return long_blocks, min(short, short_cap) if short_cap else short
-
-
-def window_tensor(long_blocks: int, device: torch.device | str | None = None, short_cap: int = 0) -> Tensor:
-    """The model's windows input, (long, short) in blocks, for a fixed long window (the tools, tests)."""
-    return torch.tensor(window_pair(long_blocks, short_cap), dtype=torch.int64, device=device)
-
-
-MAX_EAGER_WINDOWS = 4096  # more distinct windows than this (absurd flags) are made as steps reach them
 MTP_TABLE_ROWS = 65536  # MTP weight rows on the device at once: a longer run refills them once per this many steps
-
-
-def window_pairs(args: Hyperparameters) -> set[tuple[int, int]] | None:
-    """Every (long, short) window pair the schedule can reach, found stage by stage or block by block rather than
-    step by step (a superset where blocks are skipped); None when there are more than MAX_EAGER_WINDOWS."""
-    if not args.sliding_window:
-        return {attention_windows(0, args)}
-    if args.window_stages:
-        return {window_pair(blocks, args.short_window_cap) for blocks in window_stage_blocks(args.window_stages)}
-    final_blocks = max(next_multiple(args.window_final_tokens, BLOCK_SIZE) // BLOCK_SIZE, 1)  # the growth's end
-    if final_blocks <= MAX_EAGER_WINDOWS:
-        return {window_pair(blocks, args.short_window_cap) for blocks in range(1, final_blocks + 1)}
-    if args.num_iterations < MAX_EAGER_WINDOWS:
-        return {attention_windows(step, args) for step in range(args.num_iterations + 1)}
-    return None
 
 
 class StepTensors:
@@ -2782,6 +2884,7 @@ def set_up(args: Hyperparameters, rt: Runtime, folder: RunFolder, log: RunLog, s
     model = build_model(args, rt)
     step_model = torch.compile(model, dynamic=False) if rt.compile == "model" else model
     opt = build_optimizers(model, args, rt.rank, rt.world_size, rt.grad_sync_from_hooks, rt.compile_newton_schulz)
+    log.write(bucket_summary(opt.sync.buckets, rt.world_size), echo=False)  # the header's last line
     stream = TokenStream(train_files, args.vocab_size, cycle=args.train_cycle, read_ahead=True)
     loader = DistributedTokenLoader(stream, args.seq_len, rt.rank, rt.world_size, args.bos_align, args.doc_len_cap,
                                     rt.device)
@@ -2883,7 +2986,7 @@ def train_loop(run: Run, start_step: int, stop: StopSignal, resumed_from: Path |
                     if hellaswag_now:
                         from evaluation import score_during_training
                         point, line = score_during_training(run.model, run.hellaswag_items,
-                                                            attention_windows(step, args)[0], rt, step, N)
+                                                            attention_windows(step, args), rt, step, N)
                         results.hellaswag_curve.append(point)
                         run.log.write(line)
                 if step == N or args.stop_at_target and results.target and results.target["step"] <= step:
@@ -3036,7 +3139,7 @@ def finish(run: Run, start_step: int, end_step: int, clock: Clock, results: Resu
     samples = []
     if args.sample_at_end > 0 and rt.is_master:
         from evaluation import log_samples
-        samples = log_samples(run.model, args.sample_at_end, attention_windows(end_step, args)[0], args.seed, log)
+        samples = log_samples(run.model, args.sample_at_end, attention_windows(end_step, args), args.seed, log)
     if args.checkpoint_final:
         run.save_checkpoint(end_step, segments, watch, results.target)
     if rt.is_master:

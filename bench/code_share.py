@@ -1,14 +1,17 @@
-"""How much of train_gpt.py is the speedrun's math, section by section (no torch needed).
+"""How much of train_gpt.py is the speedrun's math, definition by definition (no torch needed).
 
     python -m bench.code_share
 
 Counted: the lines of every top-level definition (function, class, or assignment such as a table), from its
 first line (decorators included) to its last, without blank lines and lines that hold only a comment; code
 between definitions (imports, the section banners) is not inside a definition and is not counted. A
-definition belongs to the section whose banner ("# ---" then "# Title") comes before it. The math sections
-are the speedrun's own: data, model, optimizers, schedules and the training loop; the others (configuration,
-recipe v2's declarations, flag validation, supported torch, distributed setup and device choices, stopping)
-are the machinery around it. The share of math is what tests/test_layout.py holds at 55% or more.
+definition belongs to the section whose banner ("# ---" then "# Title") comes before it.
+
+Math is only what computes the run: the model and its loss, the attention windows and their masks, the
+optimizers' update math and how the parameters are grouped for it, the schedules, the data as tensors and the
+training step. Everything else is machinery: configuration, techniques and validation, device set-up, reading
+shards, moving gradients between ranks (the gradient's path), the loop around the step, logging, checkpoints,
+the summary, stopping. The output lists, per section, which definitions counted as math.
 """
 
 from __future__ import annotations
@@ -18,7 +21,13 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-MATH_SECTIONS = ("Data", "Model", "Optimizers", "Schedules", "Training loop")
+# Sections whose every definition is math, but for these: the tools' decoding cache, the inputs' checks and
+# putting the model on its device
+MATH_SECTIONS = ("Attention windows", "Model", "Optimizers", "Schedules")
+NOT_MATH = {"KVCache", "check_model_inputs", "build_model"}
+# Math in the other sections: the data as tensors, the optimizers' grouping and step order, the training step
+MATH_DEFINITIONS = {"to_device", "DistributedTokenLoader", "Optimizers", "build_optimizers", "train_step",
+                    "lr_multiplier_at"}
 
 
 def sections(source: str) -> list[tuple[int, str]]:
@@ -28,11 +37,18 @@ def sections(source: str) -> list[tuple[int, str]]:
             for i in range(len(lines) - 1) if lines[i].startswith("# ----") and lines[i + 1].startswith("# ")]
 
 
-def counted_lines(source: str) -> dict[str, int]:
-    """Lines inside top-level definitions, per section title."""
+def definition_name(node: ast.stmt) -> str:
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+        return node.name
+    targets = node.targets if isinstance(node, ast.Assign) else [getattr(node, "target", None)]
+    return ", ".join(t.id for t in targets if isinstance(t, ast.Name)) or type(node).__name__
+
+
+def counted_definitions(source: str) -> list[tuple[str, str, int]]:
+    """(section title, definition name, lines) of every top-level definition after the first banner."""
     lines = source.splitlines()
     banners = sections(source)
-    out: dict[str, int] = {title: 0 for _, title in banners}
+    out = []
     for node in ast.parse(source).body:
         if isinstance(node, (ast.Import, ast.ImportFrom, ast.Expr, ast.If)):
             continue  # imports, the docstring, the `if __name__` block
@@ -41,24 +57,38 @@ def counted_lines(source: str) -> dict[str, int]:
         if title is None:
             continue  # before the first section: the signal handler of the imports
         body = lines[first - 1:node.end_lineno]
-        out[title] += sum(1 for text in body if text.strip() and not text.strip().startswith("#"))
+        out.append((title, definition_name(node),
+                    sum(1 for text in body if text.strip() and not text.strip().startswith("#"))))
     return out
 
 
-def is_math(title: str) -> bool:
-    return any(title.startswith(name) for name in MATH_SECTIONS)
+def is_math(title: str, name: str) -> bool:
+    if title in MATH_SECTIONS:
+        return name not in NOT_MATH
+    return name in MATH_DEFINITIONS
+
+
+def math_share(source: str) -> float:
+    counted = counted_definitions(source)
+    return sum(n for t, name, n in counted if is_math(t, name)) / sum(n for _, _, n in counted)
 
 
 def main() -> int:
     source = (REPO / "train_gpt.py").read_text()
-    counts = counted_lines(source)
-    math_lines = sum(n for t, n in counts.items() if is_math(t))
-    total = sum(counts.values())
+    counted = counted_definitions(source)
+    titles = list(dict.fromkeys(t for t, _, _ in counted))
+    total = sum(n for _, _, n in counted)
     print(f"train_gpt.py: {len(source.splitlines())} lines, {total} inside top-level definitions\n")
-    print("| section | lines in definitions | math |")
-    print("|---|---|---|")
-    for title, n in counts.items():
-        print(f"| {title} | {n} | {'yes' if is_math(title) else 'no'} |")
+    print("| section | lines in definitions | math lines | counted as math |")
+    print("|---|---|---|---|")
+    for title in titles:
+        mine = [(name, n) for t, name, n in counted if t == title]
+        math = [name for name, _ in mine if is_math(title, name)]
+        what = ("all" if len(math) == len(mine) else
+                f"all but {', '.join(name for name, _ in mine if name not in math)}" if title in MATH_SECTIONS else
+                ", ".join(math) or "none")
+        print(f"| {title} | {sum(n for _, n in mine)} | {sum(n for name, n in mine if name in math)} | {what} |")
+    math_lines = sum(n for t, name, n in counted if is_math(t, name))
     print(f"\nthe speedrun's math: {math_lines} of {total} lines = {100 * math_lines / total:.1f}%")
     for sibling in sorted(REPO.glob("*.py")):
         if sibling.name != "train_gpt.py":

@@ -378,7 +378,7 @@ class Scenario:
         """train_step's micro-steps (at most 2 run: from the second on, the gradients of the earlier ones are
         alive, and every later one is the same) and its optimizer step."""
         args, model = self.args, self.model
-        windows = T.window_tensor(T.attention_windows(args.num_iterations, args)[0])
+        windows = torch.tensor(T.attention_windows(args.num_iterations, args), dtype=torch.int64)  # the final pair
         mtp = [torch.tensor(T.mtp_loss_weights(0, args.num_iterations, args.mtp_tokens, args.mtp_frac))] \
             if args.mtp_tokens > 1 else []
         model.train()
@@ -401,7 +401,7 @@ class Scenario:
     def validation(self, meter: LiveMemory) -> None:
         """evaluate(): eval mode, no grad, one val_seq_len sequence through the model's forward."""
         args, model = self.args, self.model
-        windows = T.window_tensor(T.attention_windows(args.num_iterations, args)[0])
+        windows = torch.tensor(T.attention_windows(args.num_iterations, args), dtype=torch.int64)  # the final pair
         with meter.phase("inputs"):
             seq = fake_tokens(args.val_seq_len).clone()
         model.eval()

@@ -89,8 +89,8 @@ def test_v2_model_decodes_from_its_history_with_the_full_forward_logits():
     got = [model.decode(tokens[:140], cache)] + [model.decode(tokens[i:i + 1], cache) for i in range(140, 160)]
     got += [model.decode(tokens[160:250], cache)] + [model.decode(tokens[i:i + 1], cache) for i in range(250, 300)]
     torch.testing.assert_close(torch.stack(got), full[[139, *singles[:20], 249, *singles[20:]]], atol=2e-5, rtol=1e-5)
-    assert evaluation.generate(model, tokens[:140].tolist(), 8, 2, temperature=0) == \
-        evaluation.generate(model, tokens[:140].tolist(), 8, 2, temperature=0, kv_cache=False)
+    assert evaluation.generate(model, tokens[:140].tolist(), 8, (2, 1), temperature=0) == \
+        evaluation.generate(model, tokens[:140].tolist(), 8, (2, 1), temperature=0, kv_cache=False)
 
 
 MODEL_TECHNIQUES = [t for t in T.TECHNIQUES if t.part == "model"]
@@ -128,16 +128,16 @@ def test_greedy_with_the_cache_matches_the_naive_forward():
     """A prompt longer than the long window, with a document boundary (EOT) inside it."""
     model = random_model()
     prompt = prompt_with_documents(330, [0, 200])
-    with_cache = evaluation.generate(model, prompt, 60, window_blocks=2, temperature=0)
-    naive = evaluation.generate(model, prompt, 60, window_blocks=2, temperature=0, kv_cache=False)
+    with_cache = evaluation.generate(model, prompt, 60, windows=(2, 1), temperature=0)
+    naive = evaluation.generate(model, prompt, 60, windows=(2, 1), temperature=0, kv_cache=False)
     assert len(with_cache) == 60 and with_cache == naive
 
 
 def test_greedy_in_bf16_matches_the_naive_forward():
     model = random_model("bf16")
     prompt = prompt_with_documents(140, [0, 70])
-    assert evaluation.generate(model, prompt, 20, 1, temperature=0) == \
-        evaluation.generate(model, prompt, 20, 1, temperature=0, kv_cache=False)
+    assert evaluation.generate(model, prompt, 20, (1, 1), temperature=0) == \
+        evaluation.generate(model, prompt, 20, (1, 1), temperature=0, kv_cache=False)
 
 
 def test_a_new_token_attends_only_to_its_window(monkeypatch):
@@ -161,7 +161,8 @@ def test_a_new_token_attends_only_to_its_window(monkeypatch):
 def test_sampling_is_seeded_and_respects_top_k():
     model = random_model()
     prompt = prompt_with_documents(10, [0])
-    draw = lambda seed, top_k=0: evaluation.generate(model, prompt, 30, 4, 1.0, top_k, torch.Generator().manual_seed(seed))
+    draw = lambda seed, top_k=0: evaluation.generate(model, prompt, 30, (4, 2), 1.0, top_k,  # noqa: E731
+                                                     torch.Generator().manual_seed(seed))
     assert draw(3) == draw(3) and draw(3) != draw(4)
     logits = torch.randn(T.next_multiple(EOT + 1, 128))
     top = set(torch.topk(T.apply_softcap(logits[:EOT + 1], T.Softcap(30.0)), 5).indices.tolist())
@@ -176,7 +177,7 @@ def test_generation_stops_at_the_end_of_the_document():
     model = random_model()
     with torch.no_grad():
         model.lm_head.weight[EOT] = 50.0 * model.lm_head.weight[EOT].sign()  # make EOT the likeliest next token
-    assert evaluation.generate(model, [EOT, 5, 6], 10, 4, temperature=0) == []
+    assert evaluation.generate(model, [EOT, 5, 6], 10, (4, 2), temperature=0) == []
 
 
 def test_the_smallest_temperature_allowed_still_draws_a_token():
@@ -219,7 +220,7 @@ def test_fixture_gives_its_known_accuracy(monkeypatch):
     enc = evaluation.gpt2_tokenizer()
     items = evaluation.tokenized_hellaswag(evaluation.read_hellaswag(FIXTURE), enc, 256)
     for pack_tokens in (128, 256):  # one candidate per sequence, and several packed together
-        result = evaluation.hellaswag_score(unigram_model(enc), items, window_blocks=1, pack_tokens=pack_tokens)
+        result = evaluation.hellaswag_score(unigram_model(enc), items, windows=(1, 1), pack_tokens=pack_tokens)
         assert result.predictions == FIXTURE_CHOICES
         assert (result.examples, result.acc, result.acc_norm) == (10, FIXTURE_ACC, FIXTURE_ACC_NORM)
 

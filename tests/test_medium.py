@@ -80,7 +80,7 @@ def test_windows_step_through_the_records_stages_with_the_short_one_capped():
     assert T.window_pair(40, short_cap=11) == (40, 11) and T.window_pair(40) == (40, 20)
     model = T.GPT(T.ModelConfig.of(medium("--n_layer=2", "--model_dim=64", "--n_head=2", "--head_dim=32",
                                           "--value_embed_tables=1")))
-    assert model.window(23).tolist() == [23, 11]  # the tools' fixed windows keep the cap
+    assert model.window(T.attention_windows(args.num_iterations, args)).tolist() == [23, 11]  # the tools' too
     with pytest.raises(T.UsageError, match="--window_stages sets the sliding windows"):
         medium("--sliding_window=false")
     with pytest.raises(T.UsageError, match="bad value 'wide' for --window_stages"):

@@ -367,7 +367,7 @@ def test_v2_gates_and_bigram_table_go_to_their_optimizer_groups():
     args = v2_args()
     model = T.GPT(T.ModelConfig.of(args))
     opt = T.build_optimizers(model, args, 0, 1)
-    lr = {id(b.real[0]): g["base_lr"] for b, g in zip(opt.adam.buckets, opt.adam.adam.param_groups)}
+    lr = {id(p): g["base_lr"] for p, g in zip(opt.adam.params, opt.adam.adam.param_groups)}
     muon = {id(p) for b in opt.muon.buckets for p in b.real}
     assert lr[id(model.bigram_embed.weight)] == args.embed_lr
     assert lr[id(model.smear_gate)] == pytest.approx(args.scalar_lr * 0.01 / 5)

@@ -187,9 +187,9 @@ def test_export_round_trip_is_bit_identical(checkpoint, tmp_path):
     rebuilt = load_exported(tmp_path / "alone", "cpu")
     a, b = original.model.state_dict(), rebuilt.model.state_dict()
     assert a.keys() == b.keys() and all(a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]) for k in a)
-    assert rebuilt.args == original.args and rebuilt.window_blocks == original.window_blocks
+    assert rebuilt.args == original.args and rebuilt.windows == original.windows
     tokens = torch.tensor(prompt_with_documents(256, [0, 99]))
-    window = T.window_tensor(original.window_blocks)
+    window = original.model.window(original.windows)
     with torch.no_grad():
         assert torch.equal(original.model.logits(tokens, window), rebuilt.model.logits(tokens, window))
 
@@ -239,7 +239,7 @@ def test_v2_checkpoint_exports_like_the_trained_model(v2_checkpoint, tmp_path):
     assert "bigram_embed.weight" in stored and "smear_gate" in stored and "bigram_signs" not in stored
     rebuilt = load_exported(tmp_path / "out", "cpu")
     tokens = torch.tensor(prompt_with_documents(256, [0, 99]))
-    window = T.window_tensor(loaded.window_blocks)
+    window = loaded.model.window(loaded.windows)
     with torch.no_grad():
         assert torch.equal(loaded.model.logits(tokens, window), rebuilt.model.logits(tokens, window))
 

@@ -39,6 +39,9 @@ def test_cpu_run_writes_a_complete_log_and_summary(tiny_run):
     for line in ["  n_layer = 2", "  model_dim = 64", "  preset = cpu", "  seed = 0", "  muon_lr = 0.05",
                  "  (derived) grad_accum_steps = 2", "world_size: 1", "torch: "]:
         assert line in log
+    # the header says how many buckets (collectives per step) the gradients travel in: 2 layers of 4 matrices,
+    # the head, the embedding and one value-embedding table, and the small parameters together
+    assert "\ngradient buckets: 12 on 1 rank(s) (muon 8 x 4.1K-16.4K, adam 3 x 3.2M, small 1 x 9 elements)\n" in log
     assert sorted(train_losses(log)) == [1, 2, 3, 4]
     vals = val_losses(log)
     assert sorted(vals) == [0, 2, 4] and abs(vals[0] - math.log(50304)) < 1e-3

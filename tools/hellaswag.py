@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
     items = items[:opts.limit] if opts.limit else items
     started = time.perf_counter()
-    result = evaluation.hellaswag_score(loaded.model, items, loaded.window_blocks, show_progress=True)
+    result = evaluation.hellaswag_score(loaded.model, items, loaded.windows, show_progress=True)
     print(f"hellaswag: acc:{result.acc:.4f} acc_norm:{result.acc_norm:.4f} examples:{result.examples} "
           f"({loaded.source}, step {loaded.step}, window {loaded.window_blocks} blocks, "
           f"{time.perf_counter() - started:.1f}s)")

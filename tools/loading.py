@@ -49,8 +49,13 @@ class LoadedModel:
     model: T.GPT
     args: T.Hyperparameters
     step: int
-    window_blocks: int  # the long window the tools run the model with
+    windows: tuple[int, int]  # the (long, short) windows the tools run the model with: attention_windows'
     source: Path
+
+    @property
+    def window_blocks(self) -> int:
+        """The long window, as the tools print it and export records it."""
+        return self.windows[0]
 
 
 def pick_device(name: str) -> torch.device:
@@ -125,8 +130,8 @@ def build(args: T.Hyperparameters, state: dict, step: int, device: torch.device,
         raise T.UsageError(f"{source}: the weights do not fit the model its hyperparameters describe ({detail})") \
             from None
     model.eval()
-    windows = {"step": T.attention_windows(step, args)[0], "final": T.attention_windows(args.num_iterations, args)[0]}
-    return LoadedModel(model=model, args=args, step=step, window_blocks=windows[window], source=source)
+    windows = T.attention_windows({"step": step, "final": args.num_iterations}[window], args)
+    return LoadedModel(model=model, args=args, step=step, windows=windows, source=source)
 
 
 def load_checkpoint(path: Path, device: torch.device, window: str = "step") -> LoadedModel:

@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         start = time.perf_counter()
-        new = evaluation.generate(model, prompt, opts.max_new_tokens, loaded.window_blocks, opts.temperature, opts.top_k,
+        new = evaluation.generate(model, prompt, opts.max_new_tokens, loaded.windows, opts.temperature, opts.top_k,
                        generator, kv_cache=opts.kv_cache == "true")
         if device.type == "cuda":
             torch.cuda.synchronize(device)
