@@ -375,7 +375,9 @@ def meta_problem(meta: object) -> str:
         if not is_a(meta[key], kind):
             return f"its {key!r} is {meta[key]!r}, not a {kind.__name__}"
     for name, record in meta["files"].items():
-        if not isinstance(record, dict) or not all(is_a(record.get(k), kind) for k, kind in CHECKPOINT_FILE_TYPES.items()):
+        well_typed = isinstance(record, dict) and all(is_a(record.get(k), kind)
+                                                      for k, kind in CHECKPOINT_FILE_TYPES.items())
+        if not well_typed:
             return f"its record of file {name!r} is {record!r}, not {{bytes, sha256}}"
     return ""
 
@@ -464,8 +466,8 @@ def check_same_tensors(path: Path, state: TrainingState, place, structure: dict[
     live = set(as_dcp_state(state, place))
     lacking = sorted(live - stored)
     extra = sorted(name for name in stored - live if not name.startswith(OWNER_ONLY_PREFIXES))
-    first = f"this run has {lacking[0]}, which it lacks" if lacking else f"it has {extra[0]}, which this run lacks" \
-        if extra else ""
+    first = (f"this run has {lacking[0]}, which it lacks" if lacking
+             else f"it has {extra[0]}, which this run lacks" if extra else "")
     if ranks_agree(not first, place):
         return
     recorded = read_checkpoint_meta(path)["hyperparameters"]
@@ -511,8 +513,8 @@ def run_id_problem(folder: RunFolder, resume: str, checkpoint: Path | None) -> s
         return (f"run {run_id} is running in another process ({log} is locked); wait for it to end or pick another "
                 "--run_id")
     if summary.exists():
-        return (f"run {run_id} has finished ({summary} holds its result, which is kept): pass another --run_id to start "
-                f"anew, or to train it further from one of its checkpoints (--resume={root}/step_N --run_id=NEW)")
+        return (f"run {run_id} has finished ({summary} holds its result, which is kept): pass another --run_id to "
+                f"start anew, or to train it further from one of its checkpoints (--resume={root}/step_N --run_id=NEW)")
     if resume == "auto" or checkpoint is not None and checkpoint.parent.resolve() == root.resolve():
         return ""
     if checkpoints := complete_checkpoints(root):
@@ -529,8 +531,8 @@ def claim_run_folder(log_dir: Path, run_id: str, preset: str, resume: str, place
     """The run's folder under log_dir: named by run_id; else a resumed run keeps its checkpoint's run folder (so
     checkpoint_keep caps its disk use), and a fresh run gets time, preset and a random suffix. Rank 0 decides,
     and checks that the folder is free (run_id_problem); every rank refuses together."""
-    run_id = run_id or (checkpoint.parent.name if checkpoint else None) or \
-        f"{time.strftime('%Y%m%d-%H%M%S')}_{preset}_{uuid.uuid4().hex[:6]}"
+    run_id = (run_id or (checkpoint.parent.name if checkpoint else None)
+              or f"{time.strftime('%Y%m%d-%H%M%S')}_{preset}_{uuid.uuid4().hex[:6]}")
     decided = [run_id, run_id_problem(RunFolder(log_dir, run_id), resume, checkpoint) if place.is_master else ""]
     if place.world_size > 1:
         dist.broadcast_object_list(decided, src=0)

@@ -153,8 +153,8 @@ class HellaSwagExample:
 
     @property
     def well_formed(self) -> bool:  # endings a list of 4 strings: a 4-letter string would pass as 4 endings
-        return isinstance(self.context, str) and isinstance(self.endings, list) and len(self.endings) == 4 \
-            and all(isinstance(e, str) for e in self.endings) and 0 <= self.label < 4
+        return (isinstance(self.context, str) and isinstance(self.endings, list) and len(self.endings) == 4
+                and all(isinstance(e, str) for e in self.endings) and 0 <= self.label < 4)
 
 
 def read_hellaswag(path: Path) -> list[HellaSwagExample]:

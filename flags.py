@@ -189,7 +189,8 @@ def help_lines(values: object, others: dict[str, object], same: tuple[str, ...] 
         differ = ", ".join(f"{label}: {flag_text(getattr(other, f.name))}" for label, other in others.items()
                            if getattr(other, f.name) != value and f.name not in same)
         doc = f.metadata.get("doc", "")
-        lines.append(f"  --{f.name}={flag_text(value)}" + (f" [{differ}]" if differ else "") + (f"  {doc}" if doc else ""))
+        lines.append(f"  --{f.name}={flag_text(value)}" + (f" [{differ}]" if differ else "")
+                     + (f"  {doc}" if doc else ""))
     return lines
 
 

@@ -67,11 +67,11 @@ def torch_release_problem(version: str, python: tuple[int, int]) -> str:
     """Why this torch or Python cannot run train_gpt.py ('' when they can): a torch older than SUPPORTED_TORCH misses
     or names differently what this file calls, and fails late, inside a compiled graph or at the first checkpoint."""
     if python < MIN_PYTHON:
-        return (f"Python {python[0]}.{python[1]} is older than train_gpt.py needs (>= {MIN_PYTHON[0]}.{MIN_PYTHON[1]}): "
-                "use Python 3.11 or newer (the Dockerfile's image has 3.12)")
+        return (f"Python {python[0]}.{python[1]} is older than train_gpt.py needs "
+                f"(>= {MIN_PYTHON[0]}.{MIN_PYTHON[1]}): use Python 3.11 or newer (the Dockerfile's image has 3.12)")
     if torch_release(version) < SUPPORTED_TORCH[0]:
         return (f"torch {version} is older than the releases train_gpt.py supports ({tested_range()}): "
-                f"pip install torch=={PINNED_TORCH} (or any release from {tested_range()}; README, \"Supported torch\")")
+                f"pip install torch=={PINNED_TORCH} (or any release from {tested_range()}; docs/supported-torch.md)")
     return ""
 
 

@@ -17,11 +17,12 @@ the updates are all-gathered), this trainer's own; the record all-reduces.
 records' techniques, each declared once in TECHNIQUES and each its own hyperparameter, so that any one can be
 switched off.
 
-Sections, in order: configuration, the techniques (recipe v2's and track 2's), validation, distributed setup and
-device choices, data, model, optimizers, schedules, the training loop, the way out. What is not the speedrun lives
-beside this file, which imports it and embeds its source in every run log: flags.py (the command line),
-runlog.py (the run's records), checkpoints.py, evaluation.py (samples, HellaSwag) and lifecycle.py (torch
-releases, signals, the end of the process group).
+Sections, in order: configuration, the speedrun's math (the attention windows, the model, the optimizers, the
+gradient's path between ranks, the schedules, the data), then the machinery around it (the techniques of recipe v2
+and track 2, flag validation, distributed setup and device choices), the training loop and the way out. What
+is not the speedrun lives beside this file, which imports it and embeds its source in every run log: flags.py (the
+command line), runlog.py (the run's records), checkpoints.py, evaluation.py (samples, HellaSwag) and lifecycle.py
+(torch releases, signals, the end of the process group).
 """
 
 from __future__ import annotations
@@ -349,830 +350,6 @@ def stage_fractions(text: str) -> list[Fraction] | None:
 
 
 # -----------------------------------------------------------------------------
-# The techniques: recipe v2's (the later short-track records) and track 2's, each declared once
-
-@dataclass(frozen=True)
-class Refusal:
-    """A combination of flags a technique cannot run with, and the one line that says what to pass instead."""
-    when: typing.Callable[[Hyperparameters], bool]
-    why: typing.Callable[[Hyperparameters], str]
-
-
-@dataclass(frozen=True)
-class OnlyWhen:
-    """Flags that do nothing unless a condition on other flags holds: a command line that sets one of them (off
-    its default) while the condition fails is refused, since the run would log a value it never uses."""
-    flags: tuple[str, ...]
-    holds: typing.Callable[[Hyperparameters], bool]
-    why: typing.Callable[[Hyperparameters, str], str]  # the one line for a flag set while the condition fails
-    default_too: bool = False  # a range that depends on another value: its default, set explicitly, is refused too
-
-
-def only_if(flags: tuple[str, ...], holds: typing.Callable[[Hyperparameters], bool], needs: str,
-            has: typing.Callable[[Hyperparameters], str]) -> OnlyWhen:
-    """Flags that matter only when `holds`: `needs` says what meets it, `has` what this run has instead."""
-    return OnlyWhen(flags, holds, lambda a, name: f"--{name}={flag_text(getattr(a, name))} only matters with {needs}, "
-                                                  f"and this run has {has(a)}: drop --{name} or pass {needs}")
-
-
-def only_with(*flags: str, switch: str, on: bool = True) -> OnlyWhen:
-    """Flags that matter only while the boolean flag `switch` is `on`."""
-    return only_if(flags, lambda a: getattr(a, switch) == on, f"--{switch}={flag_text(on)}",
-                   lambda a: f"--{switch}={flag_text(getattr(a, switch))}")
-
-
-@dataclass(frozen=True)
-class Technique:
-    """One technique of recipe v2: validation, the recipes, checkpoints, decoding, the optimizer's gate groups,
-    bench/ablation.py's variants and the README's Recipes table (a test holds it to this) all read it from here.
-    Its flags are Hyperparameters fields (with their comments and defaults, which are the technique off); its
-    math lives where the model or the optimizer uses it."""
-    name: str  # bench/ablation.py calls its variants v2_without_<name> / v2_with_<name>
-    records: tuple[str, ...]  # its modded-nanogpt records/track_1_short/ folders
-    part: str  # model (ModelConfig carries its flags) | loss | optimizer | schedule | data
-    flags: dict[str, Rule]  # the hyperparameters it owns, and what each accepts
-    v2: dict[str, dict]  # preset -> the values recipe v2 sets there (its own flags or others) ...
-    left_out: dict[str, str] = dataclasses.field(default_factory=dict)  # ... or why v2 leaves it out there
-    refusals: tuple[Refusal, ...] = ()
-    reads_previous_token: bool = False  # the KV cache cannot extend it: decoding reruns the history
-    gate_lrs: dict[str, float] = dataclasses.field(default_factory=dict)  # its gates' lr, a fraction of scalar_lr
-    optimizer_state: bool = False  # it changes what the optimizer keeps, so a checkpoint must agree on it
-    only_when: tuple[OnlyWhen, ...] = ()  # its flags that do nothing unless another setting holds
-
-    @property
-    def switch(self) -> str:
-        """The flag that turns it on: its first."""
-        return next(iter(self.flags))
-
-    def is_on(self, values) -> bool:
-        """Whether a run (Hyperparameters or ModelConfig) uses it: its switch is off its default."""
-        return getattr(values, self.switch) != getattr(Hyperparameters, self.switch)
-
-    def off(self, preset: str) -> dict[str, object]:
-        """The values that leave it out on preset: what the reference recipe has for every flag v2 sets."""
-        reference = {**{f.name: getattr(Hyperparameters, f.name) for f in fields(Hyperparameters)}, **PRESETS[preset]}
-        return {name: reference[name] for name in self.v2.get(preset, {})}
-
-
-def everywhere(**values) -> dict[str, dict]:
-    return {preset: values for preset in PRESETS}
-
-
-def gates_need_width(flag: str) -> Refusal:
-    return Refusal(lambda a: getattr(a, flag) and a.model_dim < GATE_DIMS,
-                   lambda a: f"--{flag}=true reads the stream's first {GATE_DIMS} dims, more than --model_dim="
-                             f"{a.model_dim}; switch the gate off or widen the model")
-
-
-def needs_muon(flag: str) -> Refusal:
-    return Refusal(lambda a: getattr(a, flag) and not a.muon,
-                   lambda a: f"--{flag}=true changes Muon's update, and --muon=false turns Muon off; pass "
-                             f"--muon=true or --{flag}=false")
-
-
-NOT_IN_TRACK_2 = "not in the track-2 record (modded-nanogpt PR #188), whose recipe the medium preset is; one flag away"
-UNIT_OPEN = number(0.0, 1.0, lo_open=True)
-
-
-def only_track_2(what: str) -> dict[str, str]:
-    """The short-track presets' reason to leave out a technique of track 2's own layout."""
-    return {preset: f"a track-2 (medium) technique: the short track's records keep {what}"
-            for preset in PRESETS if preset != "medium"}
-
-
-# Gate lrs are fractions of scalar_lr (0.04 = 5 x the record's Adam lr 0.008): 2025-12-29_VeSkipGates has the
-# smear gate at 0.01 x and the skip gate at 0.05 x that Adam lr, 2026-05-20_BigramsSignTrick the others at 1 x.
-TECHNIQUES: tuple[Technique, ...] = (
-    Technique(
-        "batch_schedule", ("2025-11-29_BatchSizeSchedule",), "schedule",
-        {"batch_schedule": Rule(lambda v: v == "" or stage_fractions(v) is not None,
-                                "empty, or comma-separated fractions in (0, 1] such as 1/3,2/3,1"),
-         "batch_lr_exponent": number(0.0)},
-        # Its lrs are set for its first batch and scaled up by (batch / 131072) ** 0.6: Muon 0.023 -> 0.0444 at
-        # the final batch, ours' base; its cooldown floor is 0.1 of the first stage's lr.
-        {"speedrun": dict(batch_schedule="1/3,2/3,1", cooldown_frac=0.55, muon_lr=0.0444, lr_final_frac=0.0518),
-         "cpu": dict(batch_schedule="1/3,2/3,1", cooldown_frac=0.55), "medium": {}},
-        only_when=(only_if(("batch_lr_exponent",), lambda a: a.batch_schedule != "", "a --batch_schedule",
-                           lambda a: "none (one batch size, whose lrs are the base)"),)),
-    Technique(  # sequences start at a document; documents are cut at the record's max_seq_len
-        "doc_align", ("2025-07-12_BosAlign", "2025-09-03_FA3"), "data",
-        {"bos_align": ANY_BOOL, "doc_len_cap": integer(0)},
-        {"speedrun": dict(bos_align=True, doc_len_cap=2048), "medium": {}},
-        left_out={"cpu": "the bundled sample's documents are ~7.8K tokens long (median), so aligned sequences "
-                         "would drop most of its text"},
-        refusals=(Refusal(lambda a: a.doc_len_cap and not a.bos_align,
-                          lambda a: f"--doc_len_cap={a.doc_len_cap} packs whole documents from their start, so it "
-                                    "needs --bos_align=true (or pass --doc_len_cap=0)"),)),
-    Technique(
-        "polar_express", ("2025-09-29_PolarExpress",), "optimizer", {"polar_express": ANY_BOOL},
-        everywhere(polar_express=True),
-        refusals=(needs_muon("polar_express"),
-                  Refusal(lambda a: a.polar_express and a.ns_steps > len(POLAR_EXPRESS_COEFFICIENTS),
-                          lambda a: f"--polar_express=true has {len(POLAR_EXPRESS_COEFFICIENTS)} iterations' "
-                                    f"coefficients, not --ns_steps={a.ns_steps}; pass --ns_steps=5 or fewer"))),
-    Technique(
-        "normuon", ("2025-10-24_NorMuon", "2025-10-27_FixMuonLR"), "optimizer",
-        {"normuon": ANY_BOOL, "normuon_beta2": BETA}, everywhere(normuon=True),
-        refusals=(needs_muon("normuon"),), optimizer_state=True,
-        only_when=(only_with("normuon_beta2", switch="normuon"),)),
-    Technique(
-        "cautious_wd", ("2025-11-10_CautiousWD", "2025-12-18_CautiousWDAdam"), "optimizer",
-        {"cautious_wd": ANY_BOOL, "muon_cautious_wd": number(0.0), "adam_cautious_wd": number(0.0)},
-        everywhere(cautious_wd=True),
-        refusals=(Refusal(lambda a: a.cautious_wd and a.weight_decay,
-                          lambda a: f"--cautious_wd=true replaces the plain decay --weight_decay={a.weight_decay}; "
-                                    "pass one of them"),),
-        only_when=(only_with("muon_cautious_wd", "adam_cautious_wd", switch="cautious_wd"),
-                   only_with("muon_cautious_wd", switch="muon"))),
-    Technique(
-        "smoothed_scalars", ("2025-12-21_SmoothedScalars",), "optimizer",
-        {"scalar_adam_beta1": OPTIONAL_BETA, "scalar_adam_beta2": OPTIONAL_BETA},
-        everywhere(scalar_adam_beta1=0.9, scalar_adam_beta2=0.99)),
-    # 15 x 50304 rows of 192 dims (a quarter of the stream); the bundled sample has about 10^5 distinct
-    # bigrams, so the cpu preset takes 5 x 50304 rows of a quarter of its stream.
-    Technique(
-        "bigram", ("2026-01-19_BigramHashEmbedding", "2026-05-20_BigramsSignTrick"), "model",
-        {"bigram_vocab_size": integer(0), "bigram_dim": integer(0), "bigram_sign": ANY_BOOL},
-        {"speedrun": dict(bigram_vocab_size=15 * 50304, bigram_dim=192, bigram_sign=True),
-         "cpu": dict(bigram_vocab_size=5 * 50304, bigram_dim=64, bigram_sign=True)},
-        left_out={"medium": NOT_IN_TRACK_2},
-        refusals=(
-            Refusal(lambda a: a.bigram_sign and not a.bigram_vocab_size,
-                    lambda a: "--bigram_sign=true signs the bigram embedding, which --bigram_vocab_size=0 turns "
-                              "off; pass --bigram_sign=false or a table size"),
-            Refusal(lambda a: a.bigram_vocab_size == 1,
-                    lambda a: "--bigram_vocab_size=1 leaves no row besides the one kept for document starts; "
-                              "pass 0 (off) or at least 2"),
-            Refusal(lambda a: a.bigram_dim > a.model_dim,
-                    lambda a: f"--bigram_dim={a.bigram_dim} is wider than the stream it is added to (--model_dim="
-                              f"{a.model_dim}); pass at most that, or 0 for the full width")),
-        reads_previous_token=True,
-        only_when=(only_if(("bigram_dim",), lambda a: a.bigram_vocab_size > 0, "a --bigram_vocab_size above 0",
-                           lambda a: "--bigram_vocab_size=0 (no bigram table)"),)),
-    Technique(
-        "smear", ("2025-09-18_Smear",), "model", {"smear": ANY_BOOL}, everywhere(smear=True),
-        refusals=(gates_need_width("smear"),), reads_previous_token=True, gate_lrs={"smear_gate": 0.01 / 5}),
-    Technique(
-        "attn_gate", ("2025-08-23_SparseAttnGate",), "model", {"attn_gate": ANY_BOOL}, everywhere(attn_gate=True),
-        refusals=(gates_need_width("attn_gate"),), gate_lrs={"attn_gate": 1 / 5}),
-    Technique(
-        "ve_skip_gates", ("2025-12-29_VeSkipGates",), "model", {"ve_gates": ANY_BOOL, "skip_gates": ANY_BOOL},
-        everywhere(ve_gates=True, skip_gates=True),
-        refusals=(
-            gates_need_width("ve_gates"), gates_need_width("skip_gates"),
-            Refusal(lambda a: a.ve_gates and not a.value_embeds,
-                    lambda a: "--ve_gates=true gates the value embeddings, which --value_embeds=false removes; pass "
-                              "--ve_gates=false or --value_embeds=true"),
-            Refusal(lambda a: a.skip_gates and not a.unet_skips,
-                    lambda a: "--skip_gates=true gates the U-net skips, which --unet_skips=false removes; pass "
-                              "--skip_gates=false or --unet_skips=true")),
-        gate_lrs={"ve_gate": 1 / 5, "skip_gate": 0.05 / 5}),
-    Technique("backout", ("2025-10-04_Backout",), "model", {"backout": ANY_BOOL}, everywhere(backout=True)),
-    Technique(
-        "key_offset", ("2025-12-14_PartialKeyOffset",), "model", {"key_offset": ANY_BOOL},
-        everywhere(key_offset=True), reads_previous_token=True),
-    Technique(
-        "paired_heads", ("2026-01-07_PairedHeadAttention",), "model", {"paired_heads": ANY_BOOL},
-        {"speedrun": dict(paired_heads=True), "cpu": dict(paired_heads=True)}, left_out={"medium": NOT_IN_TRACK_2},
-        refusals=(
-            Refusal(lambda a: a.paired_heads and a.n_head % 2,
-                    lambda a: f"--paired_heads=true pairs heads, so --n_head={a.n_head} must be even; pass "
-                              "--paired_heads=false or an even --n_head"),
-            Refusal(lambda a: a.paired_heads and
-                    not any(LayerRoles.for_depth(a.n_layer, paired_heads=True).paired_heads),
-                    lambda a: f"--paired_heads=true pairs the short-window layers, and --n_layer={a.n_layer} has "
-                              "none; pass --paired_heads=false or --n_layer=4 or more")),
-        reads_previous_token=True),  # its interleaved positions do not extend token by token
-    # The logit rescale and multi-token prediction pay only at scale: on the cpu preset they are one flag away.
-    Technique(
-        "logit_rescale", ("2025-12-26_LogitRescale",), "model",
-        {"logit_offset": number(-math.inf, lo_open=True, hi_open=True)},
-        {"speedrun": dict(logit_softcap=23.0, logit_offset=5.0), "medium": {}},
-        left_out={"cpu": "it costs 0.10 of validation loss at this scale, beyond the seed noise (bench/results/v2)"},
-        refusals=(Refusal(lambda a: a.logit_offset != 0 and a.logit_softcap == 0,
-                          lambda a: f"--logit_offset={a.logit_offset} shifts the logits inside the softcap, which "
-                                    "--logit_softcap=0 turns off; pass --logit_offset=0 or a softcap"),)),
-    Technique(
-        "mtp", ("2025-12-22_MultiTokenPrediction",), "loss", {"mtp_tokens": integer(1), "mtp_frac": UNIT_OPEN},
-        {"speedrun": dict(mtp_tokens=3), "medium": {}},
-        left_out={"cpu": "it does not pay at this scale: +0.015 of validation loss, inside the seed noise, for 9.5% "
-                         "more time per step (bench/results/v2)"},
-        refusals=(Refusal(lambda a: a.mtp_tokens > a.seq_len,
-                          lambda a: f"--mtp_tokens={a.mtp_tokens} predicts more tokens than a --seq_len={a.seq_len} "
-                                    f"sequence holds; pass at most {a.seq_len} (the records use 3)"),),
-        only_when=(only_if(("mtp_frac",), lambda a: a.mtp_tokens > 1, "--mtp_tokens=2 or more",
-                           lambda a: "--mtp_tokens=1 (the next-token loss alone)"),)),
-    # Track 2's own layout and windows (records/track_2_medium/): the medium preset's record recipe sets them; the
-    # short track's records keep the 2025-01-26 layout, so recipe v2 leaves them out there.
-    Technique(
-        "value_embed_tables", ("2025-08-28_Medium_NewValemb",), "model", {"value_embed_tables": integer(1)},
-        {"medium": {}}, left_out=only_track_2("three value-embedding tables"),
-        only_when=(only_with("value_embed_tables", switch="value_embeds"),
-                   OnlyWhen(("value_embed_tables",), lambda a: a.value_embed_tables <= a.n_layer // 2,
-                            lambda a, name: f"--value_embed_tables={a.value_embed_tables} is more tables than "
-                            f"--n_layer={a.n_layer} uses (one per encoder layer: {a.n_layer // 2}); pass "
-                            f"--value_embed_tables={a.n_layer // 2} or fewer, or --n_layer={2 * a.value_embed_tables}",
-                            default_too=True))),
-    Technique(
-        "attention_free_layer", ("2025-12-31_BulkSmallTrackTransfer",), "model", {"attention_free_layer": ANY_BOOL},
-        {"medium": {}}, left_out=only_track_2("the attention-free layer after the middle")),
-    Technique(
-        "window_stages", ("2025-12-31_BulkSmallTrackTransfer",), "schedule",
-        {"window_stages": Rule(lambda v: v == "" or window_stage_blocks(v) is not None,
-                               "empty, or comma-separated positive block counts such as 3,7,11")},
-        {"medium": {}}, left_out=only_track_2("the linear window growth"),
-        refusals=(Refusal(lambda a: a.window_stages and not a.sliding_window,
-                          lambda a: "--window_stages sets the sliding windows, which --sliding_window=false turns "
-                                    "off; pass one of them"),
-                  Refusal(lambda a: len(window_stage_blocks(a.window_stages) or ()) > a.num_iterations,
-                          lambda a: f"--window_stages has {len(window_stage_blocks(a.window_stages))} stages but "
-                                    f"--num_iterations={a.num_iterations} has fewer steps, so some would never be "
-                                    "used; pass fewer stages or more steps"))),
-    Technique(
-        "short_window_cap", ("2025-12-31_BulkSmallTrackTransfer",), "model", {"short_window_cap": integer(0)},
-        {"medium": {}}, left_out=only_track_2("short windows of half the long one"),
-        only_when=(only_with("short_window_cap", switch="sliding_window"),)),
-)
-
-# Recipe v2's batch geometry per preset, which the batch schedule's stages must split into whole sequences:
-# on speedrun 16K-token sequences (1, 2, 3 per GPU on 8 GPUs); on cpu the record's ramp in 512-token
-# sequences, 4 -> 8 -> 12, which 1, 2 and 4 ranks split (windows grow to the sequence).
-V2_SHAPE = {"speedrun": dict(seq_len=16 * 1024),
-            "cpu": dict(batch_tokens=6144, seq_len=512, window_final_tokens=512),
-            "medium": {}}  # the medium preset is already its record's recipe
-
-
-def v2_values(preset: str) -> dict[str, object]:
-    """What --recipe=v2 sets on preset: its shape, then every technique's values there."""
-    out = dict(V2_SHAPE[preset])
-    for technique in TECHNIQUES:
-        for name, value in technique.v2.get(preset, {}).items():
-            assert name not in out, f"{name} is set by two techniques of recipe v2"
-            out[name] = value
-    return out
-
-
-# A recipe's values per preset, applied on top of the preset (command-line flags win over both).
-RECIPES: dict[str, dict[str, dict]] = {
-    "reference": {preset: {} for preset in PRESETS},
-    "v2": {preset: v2_values(preset) for preset in PRESETS},
-}
-
-
-def left_out_line(args: Hyperparameters) -> str | None:
-    """The run-log line of a recipe-v2 run on a preset that leaves out techniques the speedrun's v2 has: why, and the
-    flags that add them (track 2's own techniques are no part of the short track's v2, and go unsaid)."""
-    missing = [t for t in TECHNIQUES if args.preset in t.left_out and "speedrun" in t.v2 and not t.is_on(args)]
-    if args.recipe != "v2" or not missing:
-        return None
-    return f"recipe v2 on the {args.preset} preset leaves out " + "; ".join(
-        f"{t.name}: {t.left_out[args.preset]} ({' '.join(as_flags(t.v2['speedrun']))} adds it)" for t in missing)
-
-
-def check_techniques(args: Hyperparameters) -> None:
-    """Refuses, in one line, a technique's flags that conflict with each other or with the shape."""
-    for technique in TECHNIQUES:
-        for refusal in technique.refusals:
-            if refusal.when(args):
-                raise UsageError(refusal.why(args))
-
-
-# -----------------------------------------------------------------------------
-# Validation: each flag's range, and the relations between flags
-
-MAX_STEPS = 10**9  # years of steps at any speed: a larger count is a typo, and the step counters stay machine-sized
-# Every Hyperparameters field and what it accepts (a technique's own flags: its declaration); validate_args
-# refuses a field missing here.
-FLAG_RULES: dict[str, Rule] = {
-    "preset": one_of(*PRESETS), "recipe": one_of(*RECIPES), "seed": integer(0, 2**63 - 1),
-    "train_files": NON_EMPTY, "val_files": NON_EMPTY, "val_tokens": integer(1), "train_cycle": ANY_BOOL,
-    "batch_tokens": integer(1), "seq_len": integer(BLOCK_SIZE),
-    "val_seq_len": integer(BLOCK_SIZE), "num_iterations": integer(1, MAX_STEPS), "cooldown_frac": UNIT, "lr_final_frac": UNIT,
-    "val_every": integer(0), "window_final_tokens": integer(1), "sliding_window": ANY_BOOL,
-    "vocab_size": integer(1), "n_layer": integer(2), "model_dim": integer(1), "n_head": integer(1),
-    "head_dim": integer(4), "attn_scale": number(0.0, lo_open=True), "logit_softcap": number(0.0),
-    "value_embeds": ANY_BOOL, "unet_skips": ANY_BOOL, "zero_init": ANY_BOOL, "qk_norm": ANY_BOOL,
-    "mlp_act": one_of("relu2", "gelu"), "logit_temperature": number(0.0, lo_open=True),
-    "muon": ANY_BOOL, "muon_lr": LR, "muon_momentum": BETA,
-    "muon_momentum_start": BETA, "muon_momentum_warmup_steps": integer(0), "ns_steps": integer(1),
-    "adam_beta1": BETA, "adam_beta2": BETA, "adam_eps": number(0.0, lo_open=True), "head_lr": LR, "embed_lr": LR,
-    "scalar_lr": LR, "matrix_adam_lr": LR, "weight_decay": number(0.0), "dtype": one_of("bf16", "fp32"),
-    "fp8_head": ANY_BOOL, "attention": one_of("auto", "flex", "banded"),
-    "compile": one_of("auto", "model", "loss", "off"), "coordinate_descent_tuning": ANY_BOOL,
-    "warmup_steps": integer(0),
-    "collective_timeout_s": integer(1), "log_dir": NON_EMPTY, "run_id": PLAIN_NAME, "log_train_loss": ANY_BOOL,
-    "profile_steps": integer(0), "target_val_loss": number(0.0, lo_open=True), "stop_at_target": ANY_BOOL,
-    "tensorboard": ANY_BOOL, "usd_per_gpu_hour": number(0.0), "checkpoint_every": integer(0), "checkpoint_final": ANY_BOOL,
-    "checkpoint_keep": integer(1), "resume": ANY_TEXT, "stop_after": integer(0),
-    "hellaswag_every": integer(0), "hellaswag_data": ANY_TEXT, "sample_at_end": integer(0),
-    **{name: rule for technique in TECHNIQUES for name, rule in technique.flags.items()},
-}
-
-
-# The flags outside TECHNIQUES that do nothing unless another setting holds (a technique declares its own).
-ONLY_WHEN: tuple[OnlyWhen, ...] = (
-    only_with("muon_lr", "muon_momentum", "muon_momentum_start", "muon_momentum_warmup_steps", "ns_steps",
-              switch="muon"),
-    only_with("matrix_adam_lr", switch="muon", on=False),
-    only_if(("logit_temperature",), lambda a: a.logit_softcap > 0, "a --logit_softcap above 0",
-            lambda a: "--logit_softcap=0 (no softcap)"),
-    only_if(("window_final_tokens",), lambda a: a.sliding_window and not a.window_stages,
-            "--sliding_window=true and no --window_stages",
-            lambda a: f"--window_stages={a.window_stages}" if a.window_stages else "--sliding_window=false"),
-    only_if(("hellaswag_data",), lambda a: a.hellaswag_every > 0, "a --hellaswag_every above 0",
-            lambda a: "--hellaswag_every=0 (no HellaSwag)"),
-    OnlyWhen(("stop_after",), lambda a: a.stop_after < a.num_iterations,
-             lambda a, name: f"--stop_after={a.stop_after} is at or past the last step (--num_iterations="
-                             f"{a.num_iterations}), so it never stops the run: pass a step before it, or drop it"),
-    only_if(("coordinate_descent_tuning",), lambda a: a.compile in ("model", "auto"), "--compile=model",
-            lambda a: f"--compile={a.compile}"),
-    *(rule for technique in TECHNIQUES for rule in technique.only_when),
-)
-
-
-def check_only_when(args: Hyperparameters, explicit: typing.Collection[str]) -> None:
-    """Refuses, in one line, a flag the command line sets that this run would never use (ONLY_WHEN): the run log
-    would record a value that changed nothing."""
-    for rule in ONLY_WHEN:
-        for name in rule.flags:
-            if name in explicit and not rule.holds(args) and (
-                    rule.default_too or getattr(args, name) != getattr(Hyperparameters, name)):
-                raise UsageError(rule.why(args, name))
-
-
-def check_flag_ranges(args: Hyperparameters) -> None:
-    """Refuses, with one line naming the flag and its valid range, any value outside its FLAG_RULES range."""
-    missing = [f.name for f in fields(Hyperparameters) if f.name not in FLAG_RULES]
-    assert not missing, f"no validation rule for {missing}"  # a new field needs its entry in FLAG_RULES
-    for name, rule in FLAG_RULES.items():
-        value = getattr(args, name)
-        if not rule.ok(value):
-            raise UsageError(f"bad value {value!r} for --{name}; valid: {rule.valid}")
-
-
-def check_batch_schedule(args: Hyperparameters) -> None:
-    """The stages grow to batch_tokens, each whole sequences of seq_len tokens."""
-    fracs = stage_fractions(args.batch_schedule) or []
-    flag = f"--batch_schedule={args.batch_schedule}"
-    if any(later < earlier for earlier, later in zip(fracs, fracs[1:])):
-        raise UsageError(f"{flag} shrinks the batch; the stages must grow, each at least the one before (the "
-                         "record's is 1/3,2/3,1)")
-    if fracs and fracs[-1] != 1:
-        raise UsageError(f"{flag} never reaches --batch_tokens={args.batch_tokens}: its last stage must be 1, the "
-                         "batch the learning rates are set for (pass --batch_tokens for a smaller batch)")
-    if len(fracs) > args.num_iterations:  # equal-length stages: some would get no step and silently never train
-        raise UsageError(f"{flag} has {len(fracs)} stages but --num_iterations={args.num_iterations} has fewer steps; "
-                         "every stage needs at least one step: pass fewer stages or more steps")
-    unit = Fraction(args.seq_len, args.batch_tokens)  # the smallest stage: one sequence
-    for frac in fracs:
-        if frac % unit:
-            raise UsageError(f"{flag}: stage {frac} of --batch_tokens={args.batch_tokens} is "
-                             f"{float(args.batch_tokens * frac):g} tokens, not whole sequences of --seq_len="
-                             f"{args.seq_len}; use multiples of {unit} (one sequence) for every stage")
-
-
-def validate_args(args: Hyperparameters, explicit: typing.Collection[str] | None = None) -> None:
-    """Refuses, in one line, any value or combination of values the run would trip over later, and (given the
-    flags the command line set) any of them this run would never use."""
-    check_flag_ranges(args)
-    # Relations between flags, once every flag is in range.
-    for name in ("seq_len", "val_seq_len"):
-        if getattr(args, name) % BLOCK_SIZE:
-            raise UsageError(f"--{name}={getattr(args, name)} is not a multiple of the {BLOCK_SIZE}-token block")
-    if args.val_tokens % args.val_seq_len:
-        raise UsageError(f"--val_tokens={args.val_tokens} is not a multiple of --val_seq_len={args.val_seq_len}")
-    if args.n_layer % 2:
-        raise UsageError(f"--n_layer={args.n_layer}: the U-net layout needs an even depth >= 2")
-    if args.head_dim % 4:
-        raise UsageError(f"--head_dim={args.head_dim} must be a positive multiple of 4 (half-truncated rotary)")
-    if args.value_embeds and args.model_dim != args.n_head * args.head_dim:
-        raise UsageError(f"--value_embeds=true adds model_dim-wide tables to the values, so --model_dim="
-                         f"{args.model_dim} must equal --n_head x --head_dim = {args.n_head * args.head_dim}; "
-                         "change one of them or pass --value_embeds=false")
-    check_batch_schedule(args)
-    check_techniques(args)
-    if explicit is not None:
-        check_only_when(args, explicit)
-    if args.resume == "auto" and not args.run_id:
-        raise UsageError("--resume=auto needs --run_id=NAME: a restarted run finds its checkpoints under "
-                         "log_dir/NAME (and never another run's)")
-
-
-# What a resumed run must share with its checkpoint: the model's shape and the optimizers' layout.
-MODEL_SHAPE_FIELDS = ("vocab_size", "n_layer", "model_dim", "n_head", "head_dim", "value_embeds", "unet_skips")
-# which matrices Muon owns, and what state it keeps for them
-OPTIMIZER_STRUCTURE_FIELDS = ("muon",) + tuple(t.switch for t in TECHNIQUES if t.optimizer_state)
-
-
-def check_compatible(path: Path, meta: dict, args: Hyperparameters) -> None:
-    """Refuses a checkpoint this run cannot continue: another model shape or optimizer layout, or no
-    steps left to train. Any world size can continue any other's checkpoint."""
-    for names, what in ((MODEL_SHAPE_FIELDS, "model"), (OPTIMIZER_STRUCTURE_FIELDS, "optimizer")):
-        for name in names:
-            saved = meta["hyperparameters"].get(name, "(not recorded)")
-            if saved != getattr(args, name):
-                raise UsageError(f"checkpoint {path} has {name}={saved} but this run has {name}={getattr(args, name)}; "
-                                 f"pass the same {what} flags to resume it")
-    if meta["step"] >= args.num_iterations:
-        raise UsageError(f"checkpoint {path} is at step {meta['step']}, at or past --num_iterations="
-                         f"{args.num_iterations}: nothing is left to train; pass a larger --num_iterations")
-
-
-def structure_flags(args: Hyperparameters) -> dict[str, object]:
-    """The hyperparameters that decide which tensors a checkpoint holds (the model's and the optimizers' layout),
-    with this run's values: what a checkpoint of other tensors is compared by."""
-    return {name: getattr(args, name) for name in [f.name for f in fields(ModelConfig)] + list(OPTIMIZER_STRUCTURE_FIELDS)
-            if hasattr(args, name)}
-
-
-# -----------------------------------------------------------------------------
-# Distributed setup and device choices (decided once, here)
-
-@dataclass
-class Place:
-    """Where this process runs: its rank among world_size processes, and its device."""
-    rank: int
-    local_rank: int
-    world_size: int
-    device: torch.device
-
-    @property
-    def is_master(self) -> bool:
-        return self.rank == 0
-
-    @property
-    def is_cuda(self) -> bool:
-        return self.device.type == "cuda"
-
-    def synchronize(self) -> None:
-        if self.is_cuda:
-            torch.cuda.synchronize()
-
-
-@dataclass
-class Runtime(Place):
-    """The Place and what start-up decided for its device: dtype and kernels."""
-    dtype: torch.dtype
-    attention: str  # flex | banded
-    fp8_head: bool
-    compile: str  # model | loss | off
-    chunked_loss: bool = False  # head + loss a chunk of rows at a time (ChunkedHeadLoss): the CPU path
-    compile_attention: bool = False  # flex_attention compiled on its own: the model around it is not compiled
-    host_malloc: str = "default"  # glibc's settings on a CPU run (keep_freed_host_memory)
-
-    # What a whole-model compile (--compile=model) decides besides the model, each in one place:
-    @property
-    def compile_fp8(self) -> bool:
-        """The FP8 head's insides compiled by inductor (fp8_kernel), as the record compiles them."""
-        return self.fp8_head and self.compile == "model"
-
-    @property
-    def compile_newton_schulz(self) -> bool:
-        """The record compiles Newton-Schulz: its five bf16 iterations fuse into a few kernels per shape."""
-        return self.compile == "model"
-
-    @property
-    def grad_sync_from_hooks(self) -> bool:
-        """Reduce-scatters launched from gradient hooks during backward. Under a compiled backward the hooks fire
-        only after all of it (bench/overlap_probe.py), so GradientSync launches every bucket at the end instead,
-        in the order the optimizers consume them."""
-        return self.compile != "model"
-
-    def resolved(self) -> dict:
-        """What start-up decided (not what was asked for): the summary and checkpoints record this."""
-        return {"attention": self.attention, "fp8_head": self.fp8_head, "compile": self.compile,
-                "dtype": str(self.dtype).removeprefix("torch."), "device": str(self.device),
-                "chunked_loss": self.chunked_loss, "compile_attention": self.compile_attention,
-                "compile_fp8": self.compile_fp8, "compile_newton_schulz": self.compile_newton_schulz,
-                "grad_sync_from_hooks": self.grad_sync_from_hooks,
-                "host_malloc": self.host_malloc, "world_size": self.world_size}
-
-
-def fp8_supported(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
-
-
-TORCHRUN_HINT = "launch with torchrun (torchrun --standalone --nproc_per_node=N train_gpt.py), which sets them all"
-
-
-def launch_variable(name: str, default: int, lo: int, hi: int | None = None) -> int:
-    """An integer that torchrun sets in the environment; one line naming it when it is malformed or out of range."""
-    text = os.environ.get(name, "").strip()
-    if text == "":
-        return default
-    try:
-        value = int(text)
-    except ValueError:
-        value = None
-    if value is None or value < lo or (hi is not None and value > hi):
-        valid = f"an integer at least {lo}" if hi is None else f"an integer in [{lo}, {hi}]"
-        raise UsageError(f"environment variable {name}={text!r} is not {valid}: unset it for a one-process run, "
-                         f"or {TORCHRUN_HINT}")
-    return value
-
-
-def launch_environment() -> tuple[int, int, int]:
-    """(rank, local_rank, world_size) from torchrun's variables, checked before any of them is used: a process
-    group joined with a bad one hangs or fails deep in torch."""
-    world_size = launch_variable("WORLD_SIZE", 1, 1)
-    rank = launch_variable("RANK", 0, 0, world_size - 1)
-    local_rank = launch_variable("LOCAL_RANK", 0, 0, world_size - 1)
-    if world_size > 1:
-        for name in ("MASTER_ADDR", "MASTER_PORT"):
-            if not os.environ.get(name, "").strip():
-                raise UsageError(f"environment variable WORLD_SIZE={world_size} asks for a distributed run, but "
-                                 f"{name} is not set: set MASTER_ADDR and MASTER_PORT, or {TORCHRUN_HINT}")
-        launch_variable("MASTER_PORT", 0, 1, 65535)
-    return rank, local_rank, world_size
-
-
-def join_process_group(args: Hyperparameters) -> Place:
-    """This process's rank and device; joins the process group when launched by torchrun."""
-    rank, local_rank, world_size = launch_environment()
-    if torch.cuda.is_available():
-        if local_rank >= torch.cuda.device_count():
-            raise UsageError(f"local rank {local_rank} has no GPU ({torch.cuda.device_count()} visible); "
-                             "set --nproc_per_node to at most the GPU count")
-        device = torch.device("cuda", local_rank)
-        torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
-    if world_size > 1:
-        dcp()  # imported after the group forms, torch's sharded-tensor modules hold it past destroy_process_group
-        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo",
-                                timeout=timedelta(seconds=args.collective_timeout_s),
-                                device_id=device if device.type == "cuda" else None)
-    return Place(rank, local_rank, world_size, device)
-
-
-def choose_runtime(place: Place, args: Hyperparameters) -> Runtime:
-    """The device's dtype and kernels for this run's hyperparameters."""
-    kernels = choose_kernels(args, place.device.type, fp8_supported(place.device))
-    if kernels["compile"] == "model":
-        configure_inductor(args)
-    return Runtime(**vars(place), dtype=torch.bfloat16 if args.dtype == "bf16" else torch.float32, **kernels,
-                   host_malloc=keep_freed_host_memory() if place.device.type == "cpu" else "default")
-
-
-def setup_runtime(args: Hyperparameters) -> Runtime:
-    return choose_runtime(join_process_group(args), args)
-
-
-def choose_kernels(args: Hyperparameters, device_type: str, fp8_capable: bool) -> dict:
-    """Runtime's kernel choices for a device: attention, FP8 head, what is compiled, the head + loss path."""
-    attention = args.attention if args.attention != "auto" else ("flex" if device_type == "cuda" else "banded")
-    if attention == "flex" and device_type != "cuda":  # torch's flex_attention has no backward off CUDA
-        raise UsageError(f"--attention=flex needs a CUDA GPU and this run is on {device_type}: pass --attention=banded "
-                         "(or auto, which picks it off CUDA)")
-    # Inductor's CPU codegen is not reliable for the whole model; the loss alone is the big CPU win.
-    compile_mode = args.compile if args.compile != "auto" else ("model" if device_type == "cuda" else "loss")
-    fp8_head = args.fp8_head and fp8_capable
-    # On CPU the full fp32 logits cost more than the head matmuls; GPUs and whole-model compiles keep the plain loss.
-    # Uncompiled flex_attention materializes the whole score matrix (58 GB per layer at 48K tokens): outside a
-    # compiled model it is compiled on its own, as PyTorch's documentation prescribes.
-    return dict(attention=attention, fp8_head=fp8_head, compile=compile_mode,
-                chunked_loss=device_type == "cpu" and not fp8_head and compile_mode != "model",
-                compile_attention=attention == "flex" and compile_mode != "model")
-
-
-def configure_inductor(args: Hyperparameters) -> None:
-    """The record's compiler settings for a compiled model."""
-    import torch._inductor.config as inductor_config
-    inductor_config.coordinate_descent_tuning = args.coordinate_descent_tuning  # R: tunes each kernel's tiling
-
-
-# -----------------------------------------------------------------------------
-# Data: shards of uint16 tokens behind a 256-int32 header
-
-SHARD_MAGIC = 20240520
-SHARD_VERSION = 1
-HEADER_BYTES = 256 * 4
-
-
-def shard_token_count(path: Path) -> int:
-    """Validates a shard's header against its file size and returns its token count."""
-    try:
-        size = path.stat().st_size
-        with open(path, "rb") as f:
-            header = np.frombuffer(f.read(HEADER_BYTES), dtype="<i4")
-    except OSError as e:
-        raise UsageError(f"cannot read shard {path}: {e.strerror}") from None
-    if header.size < 256:
-        raise UsageError(f"shard {path} is truncated: {size} bytes is less than its 1024-byte header")
-    if header[0] != SHARD_MAGIC:
-        raise UsageError(f"shard {path} has magic {header[0]}, expected {SHARD_MAGIC}: not a token shard")
-    if header[1] != SHARD_VERSION:
-        raise UsageError(f"shard {path} has version {header[1]}, expected {SHARD_VERSION}")
-    count = int(header[2])
-    if size != HEADER_BYTES + 2 * count:
-        raise UsageError(f"shard {path} is truncated or padded: header says {count} tokens "
-                         f"({HEADER_BYTES + 2 * count} bytes), file has {size} bytes; download it again")
-    return count
-
-
-def load_shard(path: Path, vocab_size: int) -> np.ndarray:
-    """Memory-maps a shard's tokens after checking every id fits the vocabulary."""
-    count = shard_token_count(path)
-    tokens = np.memmap(path, dtype=np.uint16, mode="r", offset=HEADER_BYTES, shape=(count,))
-    if count and int(tokens.max()) >= vocab_size:
-        raise UsageError(f"shard {path} holds token id {int(tokens.max())} >= vocab size {vocab_size}")
-    return tokens
-
-
-def document_starts(tokens: np.ndarray) -> np.ndarray:
-    """Positions of every <|endoftext|> in a shard: where documents begin."""
-    return np.flatnonzero(np.asarray(tokens) == EOT_TOKEN)
-
-
-class ShardReader:
-    """One shard read and checked (load_shard: every id in the vocabulary; its document starts) in a
-    background thread, so that the ~100M-token scans run while the device trains on the shard before."""
-
-    def __init__(self, index: int, path: Path, vocab_size: int):
-        self.index, self.result, self.error = index, None, None
-        self.thread = threading.Thread(target=self._read, args=(path, vocab_size), name="shard-reader", daemon=True)
-        self.thread.start()
-
-    def _read(self, path: Path, vocab_size: int) -> None:
-        try:
-            tokens = load_shard(path, vocab_size)
-            self.result = (tokens, document_starts(tokens))
-        except BaseException as e:  # handed to the training thread, which raises it where the shard is used
-            self.error = e
-
-    def get(self) -> tuple[np.ndarray, np.ndarray]:
-        self.thread.join()
-        if self.error is not None:
-            raise self.error
-        return self.result
-
-
-def find_shards(pattern: str, what: str) -> list[Path]:
-    """Sorted shards matching a glob (relative to the working directory, else to this script's folder)."""
-    matches = sorted(glob.glob(pattern))
-    if not matches and not os.path.isabs(pattern):
-        matches = sorted(glob.glob(str(REPO_DIR / pattern)))
-    if not matches:
-        hint = ("run `python -m data.cached_fineweb10B 9` to download them" if "fineweb" in pattern
-                else "make shards with `python -m data.fineweb --input ...` or pass --train_files/--val_files")
-        raise UsageError(f"no {what} shards match {pattern!r}; {hint}")
-    return [Path(m) for m in matches]
-
-
-class TokenStream:
-    """The shards read in order as one stream. At the end it cycles only when asked to."""
-
-    def __init__(self, files: list[Path], vocab_size: int, cycle: bool, read_ahead: bool = False):
-        self.files, self.vocab_size, self.cycle = files, vocab_size, cycle
-        self.epoch, self.shard, self.pos = 0, 0, 0
-        self._tokens: np.ndarray | None = None
-        self._bos: np.ndarray | None = None
-        self.read_ahead = read_ahead  # the next shard read in the background (training; ShardReader)
-        self._reader: ShardReader | None = None
-
-    def state(self) -> dict:
-        return {"epoch": self.epoch, "shard": self.shard, "pos": self.pos}
-
-    def load_state(self, state: dict) -> None:
-        self.epoch, self.shard, self.pos = state["epoch"], state["shard"], state["pos"]
-        self._forget_shard()
-
-    def _forget_shard(self) -> None:
-        """Drops the loaded shard and its document starts together (stale starts would misplace documents)."""
-        self._tokens, self._bos = None, None
-
-    @property
-    def tokens(self) -> np.ndarray:
-        if self._tokens is None:
-            if self._reader is not None and self._reader.index == self.shard:
-                self._tokens, self._bos = self._reader.get()
-            else:
-                self._tokens = load_shard(self.files[self.shard], self.vocab_size)
-            self._read_next_shard_ahead()
-        return self._tokens
-
-    def _read_next_shard_ahead(self) -> None:
-        self.close()
-        following = self.shard + 1 if self.shard + 1 < len(self.files) else (0 if self.cycle else None)
-        if self.read_ahead and following is not None and following != self.shard:
-            self._reader = ShardReader(following, self.files[following], self.vocab_size)
-
-    def close(self) -> None:
-        """Waits for a shard being read ahead and drops it (it may not be the one needed next)."""
-        if self._reader is not None:
-            self._reader.thread.join()
-            self._reader = None
-
-    def _next_shard(self) -> None:
-        self.shard, self.pos = self.shard + 1, 0
-        self._forget_shard()
-        if self.shard == len(self.files):
-            if not self.cycle:
-                raise RunFailed(f"ran out of training data after {self.epoch + 1} pass(es) over {len(self.files)} "
-                                 "shard(s); download more shards or pass --train_cycle=true to repeat them")
-            self.shard, self.epoch = 0, self.epoch + 1
-
-    def _next_bos(self, start: int) -> int:
-        if self._bos is None:
-            self._bos = document_starts(self.tokens)
-        i = np.searchsorted(self._bos, start)
-        return int(self._bos[i]) if i < len(self._bos) else len(self.tokens)
-
-    def take(self, n: int, bos_align: bool = False, doc_cap: int = 0) -> np.ndarray:
-        """The next n tokens plus the one after (the last target); the cursor moves by n. With doc_cap,
-        documents are packed from their starts, each cut to doc_cap tokens (the cursor moves past the last)."""
-        for _ in range(2 * len(self.files) + 1):
-            start = self._next_bos(self.pos) if bos_align else self.pos
-            if doc_cap:
-                pieces = self._capped_documents(start, n + 1, doc_cap)
-                if pieces is not None:
-                    self.pos = int(pieces[-1][1])
-                    return np.concatenate([self.tokens[a:b] for a, b in pieces])
-            elif start + n + 1 <= len(self.tokens):
-                self.pos = start + n
-                return self.tokens[start:start + n + 1]
-            try:
-                self._next_shard()
-            except RunFailed as e:
-                if not bos_align:
-                    raise
-                raise RunFailed(f"{e}; with --bos_align=true every sequence starts at a document start, so a shard's "
-                                f"text after its last start with {n + 1} tokens to go is skipped (one document longer "
-                                "than the shard yields one sequence): pass --bos_align=false or add shards") from None
-        raise UsageError(f"no shard of {[str(f) for f in self.files]} holds a sequence of {n + 1} tokens")
-
-    def _capped_documents(self, start: int, need: int, cap: int) -> list[tuple[int, int]] | None:
-        """[begin, end) of the documents from the one at `start` on, each cut to cap tokens and the last one
-        to what fills `need` tokens (2025-09-03_FA3's packing); None if this shard runs out first."""
-        self._next_bos(start)  # loads the document starts
-        i = int(np.searchsorted(self._bos, start))
-        bounds = np.append(self._bos[i:i + need + 1], len(self.tokens))[:need + 1]  # need pieces at most
-        begins, ends = bounds[:-1], np.minimum(bounds[1:], bounds[:-1] + cap)
-        filled = np.cumsum(ends - begins)
-        k = int(np.searchsorted(filled, need))
-        if k == len(begins):
-            return None
-        ends[k] -= filled[k] - need
-        return list(zip(begins[:k + 1].tolist(), ends[:k + 1].tolist()))
-
-
-def to_device(chunk: np.ndarray, device: torch.device) -> tuple[Tensor, Tensor]:
-    """Inputs and next-token targets; pinned and asynchronous on CUDA."""
-    host = torch.from_numpy(chunk.astype(np.int64))
-    if device.type == "cuda":
-        host = host.pin_memory()
-    seq = host.to(device, non_blocking=True)
-    return seq[:-1], seq[1:]
-
-
-class DistributedTokenLoader:
-    """Cuts each global batch into world_size * accum sequences; rank r takes sequences r, r + W, ...
-
-    Every rank walks the same global layout, so the batch does not depend on the world size.
-    """
-
-    def __init__(self, stream: TokenStream, seq_len: int, rank: int, world_size: int, bos_align: bool,
-                 doc_cap: int, device: torch.device):
-        self.stream, self.seq_len, self.rank, self.world_size = stream, seq_len, rank, world_size
-        self.bos_align, self.doc_cap, self.device = bos_align, doc_cap, device
-
-    def next_batch(self, accum: int) -> list[tuple[Tensor, Tensor]]:
-        """The step's accum micro-batches of this rank."""
-        chunks = [self.stream.take(self.seq_len, self.bos_align, self.doc_cap) for _ in range(self.world_size * accum)]
-        return [to_device(chunks[i], self.device) for i in range(self.rank, len(chunks), self.world_size)]
-
-
-def check_validation_budget(files: list[Path], args: Hyperparameters) -> None:
-    """Refuses a --val_tokens the shards cannot fill: a shard of n tokens holds (n - 1) // val_seq_len sequences
-    (each takes one token more, its last target, and none spans two shards), as TokenStream.take cuts them."""
-    counts = [shard_token_count(f) for f in files]
-    have = sum(max(n - 1, 0) // args.val_seq_len for n in counts)
-    need = args.val_tokens // args.val_seq_len
-    if have < need:
-        fix = (f"pass --val_tokens={have * args.val_seq_len} or fewer" if have else
-               "pass a smaller --val_seq_len or more validation shards")
-        raise UsageError(f"--val_tokens={args.val_tokens} is {need} sequences of --val_seq_len={args.val_seq_len} "
-                         f"tokens, each with one token more (its last target), and the validation shards ({sum(counts)} "
-                         f"tokens in {len(files)} shard(s)) hold {have}: {fix}")
-
-
-def check_data(args: Hyperparameters, is_master: bool) -> None:
-    """Every shard the run reads exists and has a sound header, and the validation shards fill --val_tokens: checked
-    before the run's folder exists, so that a refused launch writes nothing."""
-    for f in progress_bar(find_shards(args.train_files, "training"), "checking shards", is_master, unit="shard"):
-        shard_token_count(f)
-    check_validation_budget(find_shards(args.val_files, "validation"), args)
-
-
-def validation_sequences(files: list[Path], args: Hyperparameters, rank: int, world_size: int) -> list[np.ndarray]:
-    """This rank's share of the fixed validation budget (sequence i goes to rank i % world_size)."""
-    check_validation_budget(files, args)
-    stream = TokenStream(files, args.vocab_size, cycle=False)
-    seqs = [np.array(stream.take(args.val_seq_len)) for _ in range(args.val_tokens // args.val_seq_len)]
-    return seqs[rank::world_size]
-
-
-# -----------------------------------------------------------------------------
 # Attention windows: every layer's window at every step, and the masks that apply it
 #
 # A window is a count of BLOCK_SIZE-token blocks: a query in block i sees its document's keys in blocks i-w+1..i.
@@ -1306,8 +483,8 @@ def banded_attention(q: Tensor, k: Tensor, v: Tensor, mask: BandedMask, scale: f
     k, v = (F.pad(t[0], (0, 0, 0, 0, pad, 0)) for t in (k, v))  # (pad + T, H, D)
 
     def bands(t: Tensor, lo: int, hi: int) -> Tensor:  # (hi - lo, H, W*128, D), a view of t
-        return t[lo * BLOCK_SIZE:(hi + band - 1) * BLOCK_SIZE].unfold(0, band * BLOCK_SIZE, BLOCK_SIZE) \
-            .permute(0, 1, 3, 2)
+        rows = t[lo * BLOCK_SIZE:(hi + band - 1) * BLOCK_SIZE]
+        return rows.unfold(0, band * BLOCK_SIZE, BLOCK_SIZE).permute(0, 1, 3, 2)
 
     out = []
     for lo, hi, allowed in mask.chunks:
@@ -1332,8 +509,8 @@ def sliding_window_block_mask(tokens: Tensor, window_blocks: Tensor):
     kv_blk = q_blk.T
     in_window = q_blk - kv_blk < window_blocks
     any_allowed = (kv_blk <= q_blk) & (doc_lo[:, None] <= doc_hi[None, :]) & (doc_lo[None, :] <= doc_hi[:, None])
-    all_allowed = (kv_blk < q_blk) & (doc_lo[:, None] == doc_hi[:, None]) & (doc_lo[None, :] == doc_hi[None, :]) \
-        & (doc_lo[:, None] == doc_lo[None, :])
+    all_allowed = ((kv_blk < q_blk) & (doc_lo[:, None] == doc_hi[:, None]) & (doc_lo[None, :] == doc_hi[None, :])
+                   & (doc_lo[:, None] == doc_lo[None, :]))
     full = all_allowed & in_window
     partial = any_allowed & in_window & ~full
 
@@ -1708,9 +885,9 @@ class MLP(nn.Module):
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int, roles: LayerRoles):
         super().__init__()
-        self.attn = CausalSelfAttention(cfg, roles.value_embed[layer] is not None,
-                                        paired=roles.paired_heads[layer], key_offset=roles.key_offset[layer]) \
-            if roles.attention[layer] else None
+        self.attn = (CausalSelfAttention(cfg, roles.value_embed[layer] is not None,
+                                         paired=roles.paired_heads[layer], key_offset=roles.key_offset[layer])
+                     if roles.attention[layer] else None)
         self.mlp = MLP(cfg)
         self.lambdas = nn.Parameter(torch.tensor([1.0, 0.0]))  # mix of the stream and the embedding x0
         self.bigram_lambda = nn.Parameter(torch.tensor([BIGRAM_LAMBDA_INIT])) if cfg.bigram_vocab_size else None
@@ -1856,8 +1033,8 @@ class GPT(nn.Module):
                 backout = x
             if self.unet and i >= self.roles.n_encoder:
                 j = i - self.roles.n_encoder
-                weight = self.skip_weights[j] if self.skip_gate is None \
-                    else self.skip_weights[j] * NEUTRAL_GATE_SCALE * sigmoid_gate(x0, self.skip_gate[j:j + 1])
+                weight = (self.skip_weights[j] if self.skip_gate is None
+                          else self.skip_weights[j] * NEUTRAL_GATE_SCALE * sigmoid_gate(x0, self.skip_gate[j:j + 1]))
                 x = x + weight * skips.pop()
             ve_i = self.roles.value_embed[i]
             x = block(x, x0, None if ve_i is None else ve[ve_i], layer_attention[i], offset, doc_start, bigram)
@@ -2038,8 +1215,8 @@ def softcapped_cross_entropy_chunk(logits: Tensor, targets: Tensor, softcap: Sof
     d(mean loss)/d(logits) = (softmax - onehot) / count, times cap * s' / temperature.
     """
     z = logits.float()
-    sig = torch.sigmoid((z + softcap.offset if softcap.offset else z) / softcap.temperature) \
-        if softcap.cap > 0 else None
+    sig = (torch.sigmoid((z + softcap.offset if softcap.offset else z) / softcap.temperature)
+           if softcap.cap > 0 else None)
     capped = softcap.cap * sig if softcap.cap > 0 else z
     lse = torch.logsumexp(capped, dim=-1, keepdim=True)
     valid = targets != -100  # cross_entropy's ignore_index
@@ -2212,8 +1389,8 @@ class Muon:
         self.normuon_beta2, self.cautious_wd = normuon_beta2, cautious_wd
         self.index_of = {names[b.params[rank]]: i for i, b in enumerate(buckets) if b.params[rank] is not None}
         self.momentum_buffers = {i: torch.zeros_like(self.owned(i)) for i in self.index_of.values()}
-        self.second_moments = {i: neuron_second_moment(self.owned(i)) for i in self.index_of.values()} \
-            if normuon_beta2 is not None else {}
+        self.second_moments = ({i: neuron_second_moment(self.owned(i)) for i in self.index_of.values()}
+                               if normuon_beta2 is not None else {})
 
     def owned(self, i: int) -> nn.Parameter | None:
         return self.buckets[i].params[self.rank]
@@ -2664,7 +1841,8 @@ class BatchSchedule:
         """Training tokens of steps 0 .. step-1 (what a validation at `step` has seen), summed stage by stage."""
         starts = [self.first_step(i) for i in range(len(self.stage_tokens))]
         ends = starts[1:] + [step]  # the last stage runs on past num_iterations (a warm-up longer than the run)
-        return sum(tokens * max(0, min(step, end) - begin) for tokens, begin, end in zip(self.stage_tokens, starts, ends))
+        return sum(tokens * max(0, min(step, end) - begin)
+                   for tokens, begin, end in zip(self.stage_tokens, starts, ends))
 
 
 def batch_schedule(args: Hyperparameters, world_size: int) -> BatchSchedule:
@@ -2675,8 +1853,8 @@ def batch_schedule(args: Hyperparameters, world_size: int) -> BatchSchedule:
     sequences = [n // args.seq_len if n % args.seq_len == 0 else 0 for n in tokens]
     if any(n == 0 or n % world_size for n in sequences):
         valid = [w for w in range(1, min(sequences) + 1) if all(n % w == 0 for n in sequences)]
-        batch = f"--batch_tokens={args.batch_tokens}" if len(tokens) == 1 else \
-            f"the --batch_schedule stages {'/'.join(map(str, tokens))} tokens"
+        batch = (f"--batch_tokens={args.batch_tokens}" if len(tokens) == 1
+                 else f"the --batch_schedule stages {'/'.join(map(str, tokens))} tokens")
         raise UsageError(f"world size {world_size} cannot split {batch} into sequences of --seq_len={args.seq_len} "
                          f"for every rank; world sizes that work: {valid or 'none (fix the batch size)'}")
     return BatchSchedule(tokens, tuple(n // world_size for n in sequences), args.num_iterations,
@@ -2756,6 +1934,832 @@ class StepTensors:
         if not self.mtp_first <= step < self.mtp_first + len(self.mtp_table):
             self.mtp_rows(step - step % MTP_TABLE_ROWS)
         return [self.mtp_table[step - self.mtp_first]]
+
+
+# -----------------------------------------------------------------------------
+# Data: shards of uint16 tokens behind a 256-int32 header
+
+SHARD_MAGIC = 20240520
+SHARD_VERSION = 1
+HEADER_BYTES = 256 * 4
+
+
+def shard_token_count(path: Path) -> int:
+    """Validates a shard's header against its file size and returns its token count."""
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            header = np.frombuffer(f.read(HEADER_BYTES), dtype="<i4")
+    except OSError as e:
+        raise UsageError(f"cannot read shard {path}: {e.strerror}") from None
+    if header.size < 256:
+        raise UsageError(f"shard {path} is truncated: {size} bytes is less than its 1024-byte header")
+    if header[0] != SHARD_MAGIC:
+        raise UsageError(f"shard {path} has magic {header[0]}, expected {SHARD_MAGIC}: not a token shard")
+    if header[1] != SHARD_VERSION:
+        raise UsageError(f"shard {path} has version {header[1]}, expected {SHARD_VERSION}")
+    count = int(header[2])
+    if size != HEADER_BYTES + 2 * count:
+        raise UsageError(f"shard {path} is truncated or padded: header says {count} tokens "
+                         f"({HEADER_BYTES + 2 * count} bytes), file has {size} bytes; download it again")
+    return count
+
+
+def load_shard(path: Path, vocab_size: int) -> np.ndarray:
+    """Memory-maps a shard's tokens after checking every id fits the vocabulary."""
+    count = shard_token_count(path)
+    tokens = np.memmap(path, dtype=np.uint16, mode="r", offset=HEADER_BYTES, shape=(count,))
+    if count and int(tokens.max()) >= vocab_size:
+        raise UsageError(f"shard {path} holds token id {int(tokens.max())} >= vocab size {vocab_size}")
+    return tokens
+
+
+def document_starts(tokens: np.ndarray) -> np.ndarray:
+    """Positions of every <|endoftext|> in a shard: where documents begin."""
+    return np.flatnonzero(np.asarray(tokens) == EOT_TOKEN)
+
+
+class ShardReader:
+    """One shard read and checked (load_shard: every id in the vocabulary; its document starts) in a
+    background thread, so that the ~100M-token scans run while the device trains on the shard before."""
+
+    def __init__(self, index: int, path: Path, vocab_size: int):
+        self.index, self.result, self.error = index, None, None
+        self.thread = threading.Thread(target=self._read, args=(path, vocab_size), name="shard-reader", daemon=True)
+        self.thread.start()
+
+    def _read(self, path: Path, vocab_size: int) -> None:
+        try:
+            tokens = load_shard(path, vocab_size)
+            self.result = (tokens, document_starts(tokens))
+        except BaseException as e:  # handed to the training thread, which raises it where the shard is used
+            self.error = e
+
+    def get(self) -> tuple[np.ndarray, np.ndarray]:
+        self.thread.join()
+        if self.error is not None:
+            raise self.error
+        return self.result
+
+
+def find_shards(pattern: str, what: str) -> list[Path]:
+    """Sorted shards matching a glob (relative to the working directory, else to this script's folder)."""
+    matches = sorted(glob.glob(pattern))
+    if not matches and not os.path.isabs(pattern):
+        matches = sorted(glob.glob(str(REPO_DIR / pattern)))
+    if not matches:
+        hint = ("run `python -m data.cached_fineweb10B 9` to download them" if "fineweb" in pattern
+                else "make shards with `python -m data.fineweb --input ...` or pass --train_files/--val_files")
+        raise UsageError(f"no {what} shards match {pattern!r}; {hint}")
+    return [Path(m) for m in matches]
+
+
+class TokenStream:
+    """The shards read in order as one stream. At the end it cycles only when asked to."""
+
+    def __init__(self, files: list[Path], vocab_size: int, cycle: bool, read_ahead: bool = False):
+        self.files, self.vocab_size, self.cycle = files, vocab_size, cycle
+        self.epoch, self.shard, self.pos = 0, 0, 0
+        self._tokens: np.ndarray | None = None
+        self._bos: np.ndarray | None = None
+        self.read_ahead = read_ahead  # the next shard read in the background (training; ShardReader)
+        self._reader: ShardReader | None = None
+
+    def state(self) -> dict:
+        return {"epoch": self.epoch, "shard": self.shard, "pos": self.pos}
+
+    def load_state(self, state: dict) -> None:
+        self.epoch, self.shard, self.pos = state["epoch"], state["shard"], state["pos"]
+        self._forget_shard()
+
+    def _forget_shard(self) -> None:
+        """Drops the loaded shard and its document starts together (stale starts would misplace documents)."""
+        self._tokens, self._bos = None, None
+
+    @property
+    def tokens(self) -> np.ndarray:
+        if self._tokens is None:
+            if self._reader is not None and self._reader.index == self.shard:
+                self._tokens, self._bos = self._reader.get()
+            else:
+                self._tokens = load_shard(self.files[self.shard], self.vocab_size)
+            self._read_next_shard_ahead()
+        return self._tokens
+
+    def _read_next_shard_ahead(self) -> None:
+        self.close()
+        following = self.shard + 1 if self.shard + 1 < len(self.files) else (0 if self.cycle else None)
+        if self.read_ahead and following is not None and following != self.shard:
+            self._reader = ShardReader(following, self.files[following], self.vocab_size)
+
+    def close(self) -> None:
+        """Waits for a shard being read ahead and drops it (it may not be the one needed next)."""
+        if self._reader is not None:
+            self._reader.thread.join()
+            self._reader = None
+
+    def _next_shard(self) -> None:
+        self.shard, self.pos = self.shard + 1, 0
+        self._forget_shard()
+        if self.shard == len(self.files):
+            if not self.cycle:
+                raise RunFailed(f"ran out of training data after {self.epoch + 1} pass(es) over {len(self.files)} "
+                                 "shard(s); download more shards or pass --train_cycle=true to repeat them")
+            self.shard, self.epoch = 0, self.epoch + 1
+
+    def _next_bos(self, start: int) -> int:
+        if self._bos is None:
+            self._bos = document_starts(self.tokens)
+        i = np.searchsorted(self._bos, start)
+        return int(self._bos[i]) if i < len(self._bos) else len(self.tokens)
+
+    def take(self, n: int, bos_align: bool = False, doc_cap: int = 0) -> np.ndarray:
+        """The next n tokens plus the one after (the last target); the cursor moves by n. With doc_cap,
+        documents are packed from their starts, each cut to doc_cap tokens (the cursor moves past the last)."""
+        for _ in range(2 * len(self.files) + 1):
+            start = self._next_bos(self.pos) if bos_align else self.pos
+            if doc_cap:
+                pieces = self._capped_documents(start, n + 1, doc_cap)
+                if pieces is not None:
+                    self.pos = int(pieces[-1][1])
+                    return np.concatenate([self.tokens[a:b] for a, b in pieces])
+            elif start + n + 1 <= len(self.tokens):
+                self.pos = start + n
+                return self.tokens[start:start + n + 1]
+            try:
+                self._next_shard()
+            except RunFailed as e:
+                if not bos_align:
+                    raise
+                raise RunFailed(f"{e}; with --bos_align=true every sequence starts at a document start, so a shard's "
+                                f"text after its last start with {n + 1} tokens to go is skipped (one document longer "
+                                "than the shard yields one sequence): pass --bos_align=false or add shards") from None
+        raise UsageError(f"no shard of {[str(f) for f in self.files]} holds a sequence of {n + 1} tokens")
+
+    def _capped_documents(self, start: int, need: int, cap: int) -> list[tuple[int, int]] | None:
+        """[begin, end) of the documents from the one at `start` on, each cut to cap tokens and the last one
+        to what fills `need` tokens (2025-09-03_FA3's packing); None if this shard runs out first."""
+        self._next_bos(start)  # loads the document starts
+        i = int(np.searchsorted(self._bos, start))
+        bounds = np.append(self._bos[i:i + need + 1], len(self.tokens))[:need + 1]  # need pieces at most
+        begins, ends = bounds[:-1], np.minimum(bounds[1:], bounds[:-1] + cap)
+        filled = np.cumsum(ends - begins)
+        k = int(np.searchsorted(filled, need))
+        if k == len(begins):
+            return None
+        ends[k] -= filled[k] - need
+        return list(zip(begins[:k + 1].tolist(), ends[:k + 1].tolist()))
+
+
+def to_device(chunk: np.ndarray, device: torch.device) -> tuple[Tensor, Tensor]:
+    """Inputs and next-token targets; pinned and asynchronous on CUDA."""
+    host = torch.from_numpy(chunk.astype(np.int64))
+    if device.type == "cuda":
+        host = host.pin_memory()
+    seq = host.to(device, non_blocking=True)
+    return seq[:-1], seq[1:]
+
+
+class DistributedTokenLoader:
+    """Cuts each global batch into world_size * accum sequences; rank r takes sequences r, r + W, ...
+
+    Every rank walks the same global layout, so the batch does not depend on the world size.
+    """
+
+    def __init__(self, stream: TokenStream, seq_len: int, rank: int, world_size: int, bos_align: bool,
+                 doc_cap: int, device: torch.device):
+        self.stream, self.seq_len, self.rank, self.world_size = stream, seq_len, rank, world_size
+        self.bos_align, self.doc_cap, self.device = bos_align, doc_cap, device
+
+    def next_batch(self, accum: int) -> list[tuple[Tensor, Tensor]]:
+        """The step's accum micro-batches of this rank."""
+        chunks = [self.stream.take(self.seq_len, self.bos_align, self.doc_cap) for _ in range(self.world_size * accum)]
+        return [to_device(chunks[i], self.device) for i in range(self.rank, len(chunks), self.world_size)]
+
+
+def check_validation_budget(files: list[Path], args: Hyperparameters) -> None:
+    """Refuses a --val_tokens the shards cannot fill: a shard of n tokens holds (n - 1) // val_seq_len sequences
+    (each takes one token more, its last target, and none spans two shards), as TokenStream.take cuts them."""
+    counts = [shard_token_count(f) for f in files]
+    have = sum(max(n - 1, 0) // args.val_seq_len for n in counts)
+    need = args.val_tokens // args.val_seq_len
+    if have < need:
+        fix = (f"pass --val_tokens={have * args.val_seq_len} or fewer" if have else
+               "pass a smaller --val_seq_len or more validation shards")
+        raise UsageError(f"--val_tokens={args.val_tokens} is {need} sequences of --val_seq_len={args.val_seq_len} "
+                         f"tokens, each with one token more (its last target), and the validation shards "
+                         f"({sum(counts)} tokens in {len(files)} shard(s)) hold {have}: {fix}")
+
+
+def check_data(args: Hyperparameters, is_master: bool) -> None:
+    """Every shard the run reads exists and has a sound header, and the validation shards fill --val_tokens: checked
+    before the run's folder exists, so that a refused launch writes nothing."""
+    for f in progress_bar(find_shards(args.train_files, "training"), "checking shards", is_master, unit="shard"):
+        shard_token_count(f)
+    check_validation_budget(find_shards(args.val_files, "validation"), args)
+
+
+def validation_sequences(files: list[Path], args: Hyperparameters, rank: int, world_size: int) -> list[np.ndarray]:
+    """This rank's share of the fixed validation budget (sequence i goes to rank i % world_size)."""
+    check_validation_budget(files, args)
+    stream = TokenStream(files, args.vocab_size, cycle=False)
+    seqs = [np.array(stream.take(args.val_seq_len)) for _ in range(args.val_tokens // args.val_seq_len)]
+    return seqs[rank::world_size]
+
+
+# -----------------------------------------------------------------------------
+# The techniques: recipe v2's (the later short-track records) and track 2's, each declared once
+
+@dataclass(frozen=True)
+class Refusal:
+    """A combination of flags a technique cannot run with, and the one line that says what to pass instead."""
+    when: typing.Callable[[Hyperparameters], bool]
+    why: typing.Callable[[Hyperparameters], str]
+
+
+@dataclass(frozen=True)
+class OnlyWhen:
+    """Flags that do nothing unless a condition on other flags holds: a command line that sets one of them (off
+    its default) while the condition fails is refused, since the run would log a value it never uses."""
+    flags: tuple[str, ...]
+    holds: typing.Callable[[Hyperparameters], bool]
+    why: typing.Callable[[Hyperparameters, str], str]  # the one line for a flag set while the condition fails
+    default_too: bool = False  # a range that depends on another value: its default, set explicitly, is refused too
+
+
+def only_if(flags: tuple[str, ...], holds: typing.Callable[[Hyperparameters], bool], needs: str,
+            has: typing.Callable[[Hyperparameters], str]) -> OnlyWhen:
+    """Flags that matter only when `holds`: `needs` says what meets it, `has` what this run has instead."""
+    return OnlyWhen(flags, holds, lambda a, name: f"--{name}={flag_text(getattr(a, name))} only matters with {needs}, "
+                                                  f"and this run has {has(a)}: drop --{name} or pass {needs}")
+
+
+def only_with(*flags: str, switch: str, on: bool = True) -> OnlyWhen:
+    """Flags that matter only while the boolean flag `switch` is `on`."""
+    return only_if(flags, lambda a: getattr(a, switch) == on, f"--{switch}={flag_text(on)}",
+                   lambda a: f"--{switch}={flag_text(getattr(a, switch))}")
+
+
+@dataclass(frozen=True)
+class Technique:
+    """One technique of recipe v2: validation, the recipes, checkpoints, decoding, the optimizer's gate groups,
+    bench/ablation.py's variants and the README's Recipes table (a test holds it to this) all read it from here.
+    Its flags are Hyperparameters fields (with their comments and defaults, which are the technique off); its
+    math lives where the model or the optimizer uses it."""
+    name: str  # bench/ablation.py calls its variants v2_without_<name> / v2_with_<name>
+    records: tuple[str, ...]  # its modded-nanogpt records/track_1_short/ folders
+    part: str  # model (ModelConfig carries its flags) | loss | optimizer | schedule | data
+    flags: dict[str, Rule]  # the hyperparameters it owns, and what each accepts
+    v2: dict[str, dict]  # preset -> the values recipe v2 sets there (its own flags or others) ...
+    left_out: dict[str, str] = dataclasses.field(default_factory=dict)  # ... or why v2 leaves it out there
+    refusals: tuple[Refusal, ...] = ()
+    reads_previous_token: bool = False  # the KV cache cannot extend it: decoding reruns the history
+    gate_lrs: dict[str, float] = dataclasses.field(default_factory=dict)  # its gates' lr, a fraction of scalar_lr
+    optimizer_state: bool = False  # it changes what the optimizer keeps, so a checkpoint must agree on it
+    only_when: tuple[OnlyWhen, ...] = ()  # its flags that do nothing unless another setting holds
+
+    @property
+    def switch(self) -> str:
+        """The flag that turns it on: its first."""
+        return next(iter(self.flags))
+
+    def is_on(self, values) -> bool:
+        """Whether a run (Hyperparameters or ModelConfig) uses it: its switch is off its default."""
+        return getattr(values, self.switch) != getattr(Hyperparameters, self.switch)
+
+    def off(self, preset: str) -> dict[str, object]:
+        """The values that leave it out on preset: what the reference recipe has for every flag v2 sets."""
+        reference = {**{f.name: getattr(Hyperparameters, f.name) for f in fields(Hyperparameters)}, **PRESETS[preset]}
+        return {name: reference[name] for name in self.v2.get(preset, {})}
+
+
+def everywhere(**values) -> dict[str, dict]:
+    return {preset: values for preset in PRESETS}
+
+
+def gates_need_width(flag: str) -> Refusal:
+    return Refusal(lambda a: getattr(a, flag) and a.model_dim < GATE_DIMS,
+                   lambda a: f"--{flag}=true reads the stream's first {GATE_DIMS} dims, more than --model_dim="
+                             f"{a.model_dim}; switch the gate off or widen the model")
+
+
+def needs_muon(flag: str) -> Refusal:
+    return Refusal(lambda a: getattr(a, flag) and not a.muon,
+                   lambda a: f"--{flag}=true changes Muon's update, and --muon=false turns Muon off; pass "
+                             f"--muon=true or --{flag}=false")
+
+
+NOT_IN_TRACK_2 = "not in the track-2 record (modded-nanogpt PR #188), whose recipe the medium preset is; one flag away"
+UNIT_OPEN = number(0.0, 1.0, lo_open=True)
+
+
+def only_track_2(what: str) -> dict[str, str]:
+    """The short-track presets' reason to leave out a technique of track 2's own layout."""
+    return {preset: f"a track-2 (medium) technique: the short track's records keep {what}"
+            for preset in PRESETS if preset != "medium"}
+
+
+# Gate lrs are fractions of scalar_lr (0.04 = 5 x the record's Adam lr 0.008): 2025-12-29_VeSkipGates has the
+# smear gate at 0.01 x and the skip gate at 0.05 x that Adam lr, 2026-05-20_BigramsSignTrick the others at 1 x.
+TECHNIQUES: tuple[Technique, ...] = (
+    Technique(
+        "batch_schedule", ("2025-11-29_BatchSizeSchedule",), "schedule",
+        {"batch_schedule": Rule(lambda v: v == "" or stage_fractions(v) is not None,
+                                "empty, or comma-separated fractions in (0, 1] such as 1/3,2/3,1"),
+         "batch_lr_exponent": number(0.0)},
+        # Its lrs are set for its first batch and scaled up by (batch / 131072) ** 0.6: Muon 0.023 -> 0.0444 at
+        # the final batch, ours' base; its cooldown floor is 0.1 of the first stage's lr.
+        {"speedrun": dict(batch_schedule="1/3,2/3,1", cooldown_frac=0.55, muon_lr=0.0444, lr_final_frac=0.0518),
+         "cpu": dict(batch_schedule="1/3,2/3,1", cooldown_frac=0.55), "medium": {}},
+        only_when=(only_if(("batch_lr_exponent",), lambda a: a.batch_schedule != "", "a --batch_schedule",
+                           lambda a: "none (one batch size, whose lrs are the base)"),)),
+    Technique(  # sequences start at a document; documents are cut at the record's max_seq_len
+        "doc_align", ("2025-07-12_BosAlign", "2025-09-03_FA3"), "data",
+        {"bos_align": ANY_BOOL, "doc_len_cap": integer(0)},
+        {"speedrun": dict(bos_align=True, doc_len_cap=2048), "medium": {}},
+        left_out={"cpu": "the bundled sample's documents are ~7.8K tokens long (median), so aligned sequences "
+                         "would drop most of its text"},
+        refusals=(Refusal(lambda a: a.doc_len_cap and not a.bos_align,
+                          lambda a: f"--doc_len_cap={a.doc_len_cap} packs whole documents from their start, so it "
+                                    "needs --bos_align=true (or pass --doc_len_cap=0)"),)),
+    Technique(
+        "polar_express", ("2025-09-29_PolarExpress",), "optimizer", {"polar_express": ANY_BOOL},
+        everywhere(polar_express=True),
+        refusals=(needs_muon("polar_express"),
+                  Refusal(lambda a: a.polar_express and a.ns_steps > len(POLAR_EXPRESS_COEFFICIENTS),
+                          lambda a: f"--polar_express=true has {len(POLAR_EXPRESS_COEFFICIENTS)} iterations' "
+                                    f"coefficients, not --ns_steps={a.ns_steps}; pass --ns_steps=5 or fewer"))),
+    Technique(
+        "normuon", ("2025-10-24_NorMuon", "2025-10-27_FixMuonLR"), "optimizer",
+        {"normuon": ANY_BOOL, "normuon_beta2": BETA}, everywhere(normuon=True),
+        refusals=(needs_muon("normuon"),), optimizer_state=True,
+        only_when=(only_with("normuon_beta2", switch="normuon"),)),
+    Technique(
+        "cautious_wd", ("2025-11-10_CautiousWD", "2025-12-18_CautiousWDAdam"), "optimizer",
+        {"cautious_wd": ANY_BOOL, "muon_cautious_wd": number(0.0), "adam_cautious_wd": number(0.0)},
+        everywhere(cautious_wd=True),
+        refusals=(Refusal(lambda a: a.cautious_wd and a.weight_decay,
+                          lambda a: f"--cautious_wd=true replaces the plain decay --weight_decay={a.weight_decay}; "
+                                    "pass one of them"),),
+        only_when=(only_with("muon_cautious_wd", "adam_cautious_wd", switch="cautious_wd"),
+                   only_with("muon_cautious_wd", switch="muon"))),
+    Technique(
+        "smoothed_scalars", ("2025-12-21_SmoothedScalars",), "optimizer",
+        {"scalar_adam_beta1": OPTIONAL_BETA, "scalar_adam_beta2": OPTIONAL_BETA},
+        everywhere(scalar_adam_beta1=0.9, scalar_adam_beta2=0.99)),
+    # 15 x 50304 rows of 192 dims (a quarter of the stream); the bundled sample has about 10^5 distinct
+    # bigrams, so the cpu preset takes 5 x 50304 rows of a quarter of its stream.
+    Technique(
+        "bigram", ("2026-01-19_BigramHashEmbedding", "2026-05-20_BigramsSignTrick"), "model",
+        {"bigram_vocab_size": integer(0), "bigram_dim": integer(0), "bigram_sign": ANY_BOOL},
+        {"speedrun": dict(bigram_vocab_size=15 * 50304, bigram_dim=192, bigram_sign=True),
+         "cpu": dict(bigram_vocab_size=5 * 50304, bigram_dim=64, bigram_sign=True)},
+        left_out={"medium": NOT_IN_TRACK_2},
+        refusals=(
+            Refusal(lambda a: a.bigram_sign and not a.bigram_vocab_size,
+                    lambda a: "--bigram_sign=true signs the bigram embedding, which --bigram_vocab_size=0 turns "
+                              "off; pass --bigram_sign=false or a table size"),
+            Refusal(lambda a: a.bigram_vocab_size == 1,
+                    lambda a: "--bigram_vocab_size=1 leaves no row besides the one kept for document starts; "
+                              "pass 0 (off) or at least 2"),
+            Refusal(lambda a: a.bigram_dim > a.model_dim,
+                    lambda a: f"--bigram_dim={a.bigram_dim} is wider than the stream it is added to (--model_dim="
+                              f"{a.model_dim}); pass at most that, or 0 for the full width")),
+        reads_previous_token=True,
+        only_when=(only_if(("bigram_dim",), lambda a: a.bigram_vocab_size > 0, "a --bigram_vocab_size above 0",
+                           lambda a: "--bigram_vocab_size=0 (no bigram table)"),)),
+    Technique(
+        "smear", ("2025-09-18_Smear",), "model", {"smear": ANY_BOOL}, everywhere(smear=True),
+        refusals=(gates_need_width("smear"),), reads_previous_token=True, gate_lrs={"smear_gate": 0.01 / 5}),
+    Technique(
+        "attn_gate", ("2025-08-23_SparseAttnGate",), "model", {"attn_gate": ANY_BOOL}, everywhere(attn_gate=True),
+        refusals=(gates_need_width("attn_gate"),), gate_lrs={"attn_gate": 1 / 5}),
+    Technique(
+        "ve_skip_gates", ("2025-12-29_VeSkipGates",), "model", {"ve_gates": ANY_BOOL, "skip_gates": ANY_BOOL},
+        everywhere(ve_gates=True, skip_gates=True),
+        refusals=(
+            gates_need_width("ve_gates"), gates_need_width("skip_gates"),
+            Refusal(lambda a: a.ve_gates and not a.value_embeds,
+                    lambda a: "--ve_gates=true gates the value embeddings, which --value_embeds=false removes; pass "
+                              "--ve_gates=false or --value_embeds=true"),
+            Refusal(lambda a: a.skip_gates and not a.unet_skips,
+                    lambda a: "--skip_gates=true gates the U-net skips, which --unet_skips=false removes; pass "
+                              "--skip_gates=false or --unet_skips=true")),
+        gate_lrs={"ve_gate": 1 / 5, "skip_gate": 0.05 / 5}),
+    Technique("backout", ("2025-10-04_Backout",), "model", {"backout": ANY_BOOL}, everywhere(backout=True)),
+    Technique(
+        "key_offset", ("2025-12-14_PartialKeyOffset",), "model", {"key_offset": ANY_BOOL},
+        everywhere(key_offset=True), reads_previous_token=True),
+    Technique(
+        "paired_heads", ("2026-01-07_PairedHeadAttention",), "model", {"paired_heads": ANY_BOOL},
+        {"speedrun": dict(paired_heads=True), "cpu": dict(paired_heads=True)}, left_out={"medium": NOT_IN_TRACK_2},
+        refusals=(
+            Refusal(lambda a: a.paired_heads and a.n_head % 2,
+                    lambda a: f"--paired_heads=true pairs heads, so --n_head={a.n_head} must be even; pass "
+                              "--paired_heads=false or an even --n_head"),
+            Refusal(lambda a: a.paired_heads and
+                    not any(LayerRoles.for_depth(a.n_layer, paired_heads=True).paired_heads),
+                    lambda a: f"--paired_heads=true pairs the short-window layers, and --n_layer={a.n_layer} has "
+                              "none; pass --paired_heads=false or --n_layer=4 or more")),
+        reads_previous_token=True),  # its interleaved positions do not extend token by token
+    # The logit rescale and multi-token prediction pay only at scale: on the cpu preset they are one flag away.
+    Technique(
+        "logit_rescale", ("2025-12-26_LogitRescale",), "model",
+        {"logit_offset": number(-math.inf, lo_open=True, hi_open=True)},
+        {"speedrun": dict(logit_softcap=23.0, logit_offset=5.0), "medium": {}},
+        left_out={"cpu": "it costs 0.10 of validation loss at this scale, beyond the seed noise (bench/results/v2)"},
+        refusals=(Refusal(lambda a: a.logit_offset != 0 and a.logit_softcap == 0,
+                          lambda a: f"--logit_offset={a.logit_offset} shifts the logits inside the softcap, which "
+                                    "--logit_softcap=0 turns off; pass --logit_offset=0 or a softcap"),)),
+    Technique(
+        "mtp", ("2025-12-22_MultiTokenPrediction",), "loss", {"mtp_tokens": integer(1), "mtp_frac": UNIT_OPEN},
+        {"speedrun": dict(mtp_tokens=3), "medium": {}},
+        left_out={"cpu": "it does not pay at this scale: +0.015 of validation loss, inside the seed noise, for 9.5% "
+                         "more time per step (bench/results/v2)"},
+        refusals=(Refusal(lambda a: a.mtp_tokens > a.seq_len,
+                          lambda a: f"--mtp_tokens={a.mtp_tokens} predicts more tokens than a --seq_len={a.seq_len} "
+                                    f"sequence holds; pass at most {a.seq_len} (the records use 3)"),),
+        only_when=(only_if(("mtp_frac",), lambda a: a.mtp_tokens > 1, "--mtp_tokens=2 or more",
+                           lambda a: "--mtp_tokens=1 (the next-token loss alone)"),)),
+    # Track 2's own layout and windows (records/track_2_medium/): the medium preset's record recipe sets them; the
+    # short track's records keep the 2025-01-26 layout, so recipe v2 leaves them out there.
+    Technique(
+        "value_embed_tables", ("2025-08-28_Medium_NewValemb",), "model", {"value_embed_tables": integer(1)},
+        {"medium": {}}, left_out=only_track_2("three value-embedding tables"),
+        only_when=(only_with("value_embed_tables", switch="value_embeds"),
+                   OnlyWhen(("value_embed_tables",), lambda a: a.value_embed_tables <= a.n_layer // 2,
+                            lambda a, name: f"--value_embed_tables={a.value_embed_tables} is more tables than "
+                            f"--n_layer={a.n_layer} uses (one per encoder layer: {a.n_layer // 2}); pass "
+                            f"--value_embed_tables={a.n_layer // 2} or fewer, or --n_layer={2 * a.value_embed_tables}",
+                            default_too=True))),
+    Technique(
+        "attention_free_layer", ("2025-12-31_BulkSmallTrackTransfer",), "model", {"attention_free_layer": ANY_BOOL},
+        {"medium": {}}, left_out=only_track_2("the attention-free layer after the middle")),
+    Technique(
+        "window_stages", ("2025-12-31_BulkSmallTrackTransfer",), "schedule",
+        {"window_stages": Rule(lambda v: v == "" or window_stage_blocks(v) is not None,
+                               "empty, or comma-separated positive block counts such as 3,7,11")},
+        {"medium": {}}, left_out=only_track_2("the linear window growth"),
+        refusals=(Refusal(lambda a: a.window_stages and not a.sliding_window,
+                          lambda a: "--window_stages sets the sliding windows, which --sliding_window=false turns "
+                                    "off; pass one of them"),
+                  Refusal(lambda a: len(window_stage_blocks(a.window_stages) or ()) > a.num_iterations,
+                          lambda a: f"--window_stages has {len(window_stage_blocks(a.window_stages))} stages but "
+                                    f"--num_iterations={a.num_iterations} has fewer steps, so some would never be "
+                                    "used; pass fewer stages or more steps"))),
+    Technique(
+        "short_window_cap", ("2025-12-31_BulkSmallTrackTransfer",), "model", {"short_window_cap": integer(0)},
+        {"medium": {}}, left_out=only_track_2("short windows of half the long one"),
+        only_when=(only_with("short_window_cap", switch="sliding_window"),)),
+)
+
+# Recipe v2's batch geometry per preset, which the batch schedule's stages must split into whole sequences:
+# on speedrun 16K-token sequences (1, 2, 3 per GPU on 8 GPUs); on cpu the record's ramp in 512-token
+# sequences, 4 -> 8 -> 12, which 1, 2 and 4 ranks split (windows grow to the sequence).
+V2_SHAPE = {"speedrun": dict(seq_len=16 * 1024),
+            "cpu": dict(batch_tokens=6144, seq_len=512, window_final_tokens=512),
+            "medium": {}}  # the medium preset is already its record's recipe
+
+
+def v2_values(preset: str) -> dict[str, object]:
+    """What --recipe=v2 sets on preset: its shape, then every technique's values there."""
+    out = dict(V2_SHAPE[preset])
+    for technique in TECHNIQUES:
+        for name, value in technique.v2.get(preset, {}).items():
+            assert name not in out, f"{name} is set by two techniques of recipe v2"
+            out[name] = value
+    return out
+
+
+# A recipe's values per preset, applied on top of the preset (command-line flags win over both).
+RECIPES: dict[str, dict[str, dict]] = {
+    "reference": {preset: {} for preset in PRESETS},
+    "v2": {preset: v2_values(preset) for preset in PRESETS},
+}
+
+
+def left_out_line(args: Hyperparameters) -> str | None:
+    """The run-log line of a recipe-v2 run on a preset that leaves out techniques the speedrun's v2 has: why, and the
+    flags that add them (track 2's own techniques are no part of the short track's v2, and go unsaid)."""
+    missing = [t for t in TECHNIQUES if args.preset in t.left_out and "speedrun" in t.v2 and not t.is_on(args)]
+    if args.recipe != "v2" or not missing:
+        return None
+    return f"recipe v2 on the {args.preset} preset leaves out " + "; ".join(
+        f"{t.name}: {t.left_out[args.preset]} ({' '.join(as_flags(t.v2['speedrun']))} adds it)" for t in missing)
+
+
+def check_techniques(args: Hyperparameters) -> None:
+    """Refuses, in one line, a technique's flags that conflict with each other or with the shape."""
+    for technique in TECHNIQUES:
+        for refusal in technique.refusals:
+            if refusal.when(args):
+                raise UsageError(refusal.why(args))
+
+
+# -----------------------------------------------------------------------------
+# Validation: each flag's range, and the relations between flags
+
+MAX_STEPS = 10**9  # years of steps at any speed: a larger count is a typo, and the step counters stay machine-sized
+# Every Hyperparameters field and what it accepts (a technique's own flags: its declaration); validate_args
+# refuses a field missing here.
+FLAG_RULES: dict[str, Rule] = {
+    "preset": one_of(*PRESETS), "recipe": one_of(*RECIPES), "seed": integer(0, 2**63 - 1),
+    "train_files": NON_EMPTY, "val_files": NON_EMPTY, "val_tokens": integer(1), "train_cycle": ANY_BOOL,
+    "batch_tokens": integer(1), "seq_len": integer(BLOCK_SIZE),
+    "val_seq_len": integer(BLOCK_SIZE), "num_iterations": integer(1, MAX_STEPS), "cooldown_frac": UNIT,
+    "lr_final_frac": UNIT,
+    "val_every": integer(0), "window_final_tokens": integer(1), "sliding_window": ANY_BOOL,
+    "vocab_size": integer(1), "n_layer": integer(2), "model_dim": integer(1), "n_head": integer(1),
+    "head_dim": integer(4), "attn_scale": number(0.0, lo_open=True), "logit_softcap": number(0.0),
+    "value_embeds": ANY_BOOL, "unet_skips": ANY_BOOL, "zero_init": ANY_BOOL, "qk_norm": ANY_BOOL,
+    "mlp_act": one_of("relu2", "gelu"), "logit_temperature": number(0.0, lo_open=True),
+    "muon": ANY_BOOL, "muon_lr": LR, "muon_momentum": BETA,
+    "muon_momentum_start": BETA, "muon_momentum_warmup_steps": integer(0), "ns_steps": integer(1),
+    "adam_beta1": BETA, "adam_beta2": BETA, "adam_eps": number(0.0, lo_open=True), "head_lr": LR, "embed_lr": LR,
+    "scalar_lr": LR, "matrix_adam_lr": LR, "weight_decay": number(0.0), "dtype": one_of("bf16", "fp32"),
+    "fp8_head": ANY_BOOL, "attention": one_of("auto", "flex", "banded"),
+    "compile": one_of("auto", "model", "loss", "off"), "coordinate_descent_tuning": ANY_BOOL,
+    "warmup_steps": integer(0),
+    "collective_timeout_s": integer(1), "log_dir": NON_EMPTY, "run_id": PLAIN_NAME, "log_train_loss": ANY_BOOL,
+    "profile_steps": integer(0), "target_val_loss": number(0.0, lo_open=True), "stop_at_target": ANY_BOOL,
+    "tensorboard": ANY_BOOL, "usd_per_gpu_hour": number(0.0), "checkpoint_every": integer(0),
+    "checkpoint_final": ANY_BOOL,
+    "checkpoint_keep": integer(1), "resume": ANY_TEXT, "stop_after": integer(0),
+    "hellaswag_every": integer(0), "hellaswag_data": ANY_TEXT, "sample_at_end": integer(0),
+    **{name: rule for technique in TECHNIQUES for name, rule in technique.flags.items()},
+}
+
+
+# The flags outside TECHNIQUES that do nothing unless another setting holds (a technique declares its own).
+ONLY_WHEN: tuple[OnlyWhen, ...] = (
+    only_with("muon_lr", "muon_momentum", "muon_momentum_start", "muon_momentum_warmup_steps", "ns_steps",
+              switch="muon"),
+    only_with("matrix_adam_lr", switch="muon", on=False),
+    only_if(("logit_temperature",), lambda a: a.logit_softcap > 0, "a --logit_softcap above 0",
+            lambda a: "--logit_softcap=0 (no softcap)"),
+    only_if(("window_final_tokens",), lambda a: a.sliding_window and not a.window_stages,
+            "--sliding_window=true and no --window_stages",
+            lambda a: f"--window_stages={a.window_stages}" if a.window_stages else "--sliding_window=false"),
+    only_if(("hellaswag_data",), lambda a: a.hellaswag_every > 0, "a --hellaswag_every above 0",
+            lambda a: "--hellaswag_every=0 (no HellaSwag)"),
+    OnlyWhen(("stop_after",), lambda a: a.stop_after < a.num_iterations,
+             lambda a, name: f"--stop_after={a.stop_after} is at or past the last step (--num_iterations="
+                             f"{a.num_iterations}), so it never stops the run: pass a step before it, or drop it"),
+    only_if(("coordinate_descent_tuning",), lambda a: a.compile in ("model", "auto"), "--compile=model",
+            lambda a: f"--compile={a.compile}"),
+    *(rule for technique in TECHNIQUES for rule in technique.only_when),
+)
+
+
+def check_only_when(args: Hyperparameters, explicit: typing.Collection[str]) -> None:
+    """Refuses, in one line, a flag the command line sets that this run would never use (ONLY_WHEN): the run log
+    would record a value that changed nothing."""
+    for rule in ONLY_WHEN:
+        for name in rule.flags:
+            if name in explicit and not rule.holds(args) and (
+                    rule.default_too or getattr(args, name) != getattr(Hyperparameters, name)):
+                raise UsageError(rule.why(args, name))
+
+
+def check_flag_ranges(args: Hyperparameters) -> None:
+    """Refuses, with one line naming the flag and its valid range, any value outside its FLAG_RULES range."""
+    missing = [f.name for f in fields(Hyperparameters) if f.name not in FLAG_RULES]
+    assert not missing, f"no validation rule for {missing}"  # a new field needs its entry in FLAG_RULES
+    for name, rule in FLAG_RULES.items():
+        value = getattr(args, name)
+        if not rule.ok(value):
+            raise UsageError(f"bad value {value!r} for --{name}; valid: {rule.valid}")
+
+
+def check_batch_schedule(args: Hyperparameters) -> None:
+    """The stages grow to batch_tokens, each whole sequences of seq_len tokens."""
+    fracs = stage_fractions(args.batch_schedule) or []
+    flag = f"--batch_schedule={args.batch_schedule}"
+    if any(later < earlier for earlier, later in zip(fracs, fracs[1:])):
+        raise UsageError(f"{flag} shrinks the batch; the stages must grow, each at least the one before (the "
+                         "record's is 1/3,2/3,1)")
+    if fracs and fracs[-1] != 1:
+        raise UsageError(f"{flag} never reaches --batch_tokens={args.batch_tokens}: its last stage must be 1, the "
+                         "batch the learning rates are set for (pass --batch_tokens for a smaller batch)")
+    if len(fracs) > args.num_iterations:  # equal-length stages: some would get no step and silently never train
+        raise UsageError(f"{flag} has {len(fracs)} stages but --num_iterations={args.num_iterations} has fewer steps; "
+                         "every stage needs at least one step: pass fewer stages or more steps")
+    unit = Fraction(args.seq_len, args.batch_tokens)  # the smallest stage: one sequence
+    for frac in fracs:
+        if frac % unit:
+            raise UsageError(f"{flag}: stage {frac} of --batch_tokens={args.batch_tokens} is "
+                             f"{float(args.batch_tokens * frac):g} tokens, not whole sequences of --seq_len="
+                             f"{args.seq_len}; use multiples of {unit} (one sequence) for every stage")
+
+
+def validate_args(args: Hyperparameters, explicit: typing.Collection[str] | None = None) -> None:
+    """Refuses, in one line, any value or combination of values the run would trip over later, and (given the
+    flags the command line set) any of them this run would never use."""
+    check_flag_ranges(args)
+    # Relations between flags, once every flag is in range.
+    for name in ("seq_len", "val_seq_len"):
+        if getattr(args, name) % BLOCK_SIZE:
+            raise UsageError(f"--{name}={getattr(args, name)} is not a multiple of the {BLOCK_SIZE}-token block")
+    if args.val_tokens % args.val_seq_len:
+        raise UsageError(f"--val_tokens={args.val_tokens} is not a multiple of --val_seq_len={args.val_seq_len}")
+    if args.n_layer % 2:
+        raise UsageError(f"--n_layer={args.n_layer}: the U-net layout needs an even depth >= 2")
+    if args.head_dim % 4:
+        raise UsageError(f"--head_dim={args.head_dim} must be a positive multiple of 4 (half-truncated rotary)")
+    if args.value_embeds and args.model_dim != args.n_head * args.head_dim:
+        raise UsageError(f"--value_embeds=true adds model_dim-wide tables to the values, so --model_dim="
+                         f"{args.model_dim} must equal --n_head x --head_dim = {args.n_head * args.head_dim}; "
+                         "change one of them or pass --value_embeds=false")
+    check_batch_schedule(args)
+    check_techniques(args)
+    if explicit is not None:
+        check_only_when(args, explicit)
+    if args.resume == "auto" and not args.run_id:
+        raise UsageError("--resume=auto needs --run_id=NAME: a restarted run finds its checkpoints under "
+                         "log_dir/NAME (and never another run's)")
+
+
+# What a resumed run must share with its checkpoint: the model's shape and the optimizers' layout.
+MODEL_SHAPE_FIELDS = ("vocab_size", "n_layer", "model_dim", "n_head", "head_dim", "value_embeds", "unet_skips")
+# which matrices Muon owns, and what state it keeps for them
+OPTIMIZER_STRUCTURE_FIELDS = ("muon",) + tuple(t.switch for t in TECHNIQUES if t.optimizer_state)
+
+
+def check_compatible(path: Path, meta: dict, args: Hyperparameters) -> None:
+    """Refuses a checkpoint this run cannot continue: another model shape or optimizer layout, or no
+    steps left to train. Any world size can continue any other's checkpoint."""
+    for names, what in ((MODEL_SHAPE_FIELDS, "model"), (OPTIMIZER_STRUCTURE_FIELDS, "optimizer")):
+        for name in names:
+            saved = meta["hyperparameters"].get(name, "(not recorded)")
+            if saved != getattr(args, name):
+                raise UsageError(f"checkpoint {path} has {name}={saved} but this run has {name}={getattr(args, name)}; "
+                                 f"pass the same {what} flags to resume it")
+    if meta["step"] >= args.num_iterations:
+        raise UsageError(f"checkpoint {path} is at step {meta['step']}, at or past --num_iterations="
+                         f"{args.num_iterations}: nothing is left to train; pass a larger --num_iterations")
+
+
+def structure_flags(args: Hyperparameters) -> dict[str, object]:
+    """The hyperparameters that decide which tensors a checkpoint holds (the model's and the optimizers' layout),
+    with this run's values: what a checkpoint of other tensors is compared by."""
+    names = [f.name for f in fields(ModelConfig)] + list(OPTIMIZER_STRUCTURE_FIELDS)
+    return {name: getattr(args, name) for name in names if hasattr(args, name)}
+
+
+# -----------------------------------------------------------------------------
+# Distributed setup and device choices (decided once, here)
+
+@dataclass
+class Place:
+    """Where this process runs: its rank among world_size processes, and its device."""
+    rank: int
+    local_rank: int
+    world_size: int
+    device: torch.device
+
+    @property
+    def is_master(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+    def synchronize(self) -> None:
+        if self.is_cuda:
+            torch.cuda.synchronize()
+
+
+@dataclass
+class Runtime(Place):
+    """The Place and what start-up decided for its device: dtype and kernels."""
+    dtype: torch.dtype
+    attention: str  # flex | banded
+    fp8_head: bool
+    compile: str  # model | loss | off
+    chunked_loss: bool = False  # head + loss a chunk of rows at a time (ChunkedHeadLoss): the CPU path
+    compile_attention: bool = False  # flex_attention compiled on its own: the model around it is not compiled
+    host_malloc: str = "default"  # glibc's settings on a CPU run (keep_freed_host_memory)
+
+    # What a whole-model compile (--compile=model) decides besides the model, each in one place:
+    @property
+    def compile_fp8(self) -> bool:
+        """The FP8 head's insides compiled by inductor (fp8_kernel), as the record compiles them."""
+        return self.fp8_head and self.compile == "model"
+
+    @property
+    def compile_newton_schulz(self) -> bool:
+        """The record compiles Newton-Schulz: its five bf16 iterations fuse into a few kernels per shape."""
+        return self.compile == "model"
+
+    @property
+    def grad_sync_from_hooks(self) -> bool:
+        """Reduce-scatters launched from gradient hooks during backward. Under a compiled backward the hooks fire
+        only after all of it (bench/overlap_probe.py), so GradientSync launches every bucket at the end instead,
+        in the order the optimizers consume them."""
+        return self.compile != "model"
+
+    def resolved(self) -> dict:
+        """What start-up decided (not what was asked for): the summary and checkpoints record this."""
+        return {"attention": self.attention, "fp8_head": self.fp8_head, "compile": self.compile,
+                "dtype": str(self.dtype).removeprefix("torch."), "device": str(self.device),
+                "chunked_loss": self.chunked_loss, "compile_attention": self.compile_attention,
+                "compile_fp8": self.compile_fp8, "compile_newton_schulz": self.compile_newton_schulz,
+                "grad_sync_from_hooks": self.grad_sync_from_hooks,
+                "host_malloc": self.host_malloc, "world_size": self.world_size}
+
+
+def fp8_supported(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+TORCHRUN_HINT = "launch with torchrun (torchrun --standalone --nproc_per_node=N train_gpt.py), which sets them all"
+
+
+def launch_variable(name: str, default: int, lo: int, hi: int | None = None) -> int:
+    """An integer that torchrun sets in the environment; one line naming it when it is malformed or out of range."""
+    text = os.environ.get(name, "").strip()
+    if text == "":
+        return default
+    try:
+        value = int(text)
+    except ValueError:
+        value = None
+    if value is None or value < lo or (hi is not None and value > hi):
+        valid = f"an integer at least {lo}" if hi is None else f"an integer in [{lo}, {hi}]"
+        raise UsageError(f"environment variable {name}={text!r} is not {valid}: unset it for a one-process run, "
+                         f"or {TORCHRUN_HINT}")
+    return value
+
+
+def launch_environment() -> tuple[int, int, int]:
+    """(rank, local_rank, world_size) from torchrun's variables, checked before any of them is used: a process
+    group joined with a bad one hangs or fails deep in torch."""
+    world_size = launch_variable("WORLD_SIZE", 1, 1)
+    rank = launch_variable("RANK", 0, 0, world_size - 1)
+    local_rank = launch_variable("LOCAL_RANK", 0, 0, world_size - 1)
+    if world_size > 1:
+        for name in ("MASTER_ADDR", "MASTER_PORT"):
+            if not os.environ.get(name, "").strip():
+                raise UsageError(f"environment variable WORLD_SIZE={world_size} asks for a distributed run, but "
+                                 f"{name} is not set: set MASTER_ADDR and MASTER_PORT, or {TORCHRUN_HINT}")
+        launch_variable("MASTER_PORT", 0, 1, 65535)
+    return rank, local_rank, world_size
+
+
+def join_process_group(args: Hyperparameters) -> Place:
+    """This process's rank and device; joins the process group when launched by torchrun."""
+    rank, local_rank, world_size = launch_environment()
+    if torch.cuda.is_available():
+        if local_rank >= torch.cuda.device_count():
+            raise UsageError(f"local rank {local_rank} has no GPU ({torch.cuda.device_count()} visible); "
+                             "set --nproc_per_node to at most the GPU count")
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    if world_size > 1:
+        dcp()  # imported after the group forms, torch's sharded-tensor modules hold it past destroy_process_group
+        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo",
+                                timeout=timedelta(seconds=args.collective_timeout_s),
+                                device_id=device if device.type == "cuda" else None)
+    return Place(rank, local_rank, world_size, device)
+
+
+def choose_runtime(place: Place, args: Hyperparameters) -> Runtime:
+    """The device's dtype and kernels for this run's hyperparameters."""
+    kernels = choose_kernels(args, place.device.type, fp8_supported(place.device))
+    if kernels["compile"] == "model":
+        configure_inductor(args)
+    return Runtime(**vars(place), dtype=torch.bfloat16 if args.dtype == "bf16" else torch.float32, **kernels,
+                   host_malloc=keep_freed_host_memory() if place.device.type == "cpu" else "default")
+
+
+def setup_runtime(args: Hyperparameters) -> Runtime:
+    return choose_runtime(join_process_group(args), args)
+
+
+def choose_kernels(args: Hyperparameters, device_type: str, fp8_capable: bool) -> dict:
+    """Runtime's kernel choices for a device: attention, FP8 head, what is compiled, the head + loss path."""
+    attention = args.attention if args.attention != "auto" else ("flex" if device_type == "cuda" else "banded")
+    if attention == "flex" and device_type != "cuda":  # torch's flex_attention has no backward off CUDA
+        raise UsageError(f"--attention=flex needs a CUDA GPU and this run is on {device_type}: pass --attention=banded "
+                         "(or auto, which picks it off CUDA)")
+    # Inductor's CPU codegen is not reliable for the whole model; the loss alone is the big CPU win.
+    compile_mode = args.compile if args.compile != "auto" else ("model" if device_type == "cuda" else "loss")
+    fp8_head = args.fp8_head and fp8_capable
+    # On CPU the full fp32 logits cost more than the head matmuls; GPUs and whole-model compiles keep the plain loss.
+    # Uncompiled flex_attention materializes the whole score matrix (58 GB per layer at 48K tokens): outside a
+    # compiled model it is compiled on its own, as PyTorch's documentation prescribes.
+    return dict(attention=attention, fp8_head=fp8_head, compile=compile_mode,
+                chunked_loss=device_type == "cpu" and not fp8_head and compile_mode != "model",
+                compile_attention=attention == "flex" and compile_mode != "model")
+
+
+def configure_inductor(args: Hyperparameters) -> None:
+    """The record's compiler settings for a compiled model."""
+    import torch._inductor.config as inductor_config
+    inductor_config.coordinate_descent_tuning = args.coordinate_descent_tuning  # R: tunes each kernel's tiling
 
 
 # -----------------------------------------------------------------------------
@@ -2853,8 +2857,8 @@ def start(argv: list[str]) -> tuple[Hyperparameters, Runtime, RunFolder, Path | 
     args = resolve_hyperparameters(overrides, torch.cuda.is_available(), check_unused=not overrides.get("resume"))
     place = join_process_group(args)
     batch_schedule(args, place.world_size)  # a world size that cannot split the batch is refused first
-    checkpoint, notes = choose_checkpoint(args.resume, Path(args.log_dir), args.run_id, place) if args.resume \
-        else (None, [])
+    checkpoint, notes = (choose_checkpoint(args.resume, Path(args.log_dir), args.run_id, place) if args.resume
+                         else (None, []))
     if checkpoint is not None:
         meta = read_checkpoint_meta(checkpoint)
         args, resumed = resumed_hyperparameters(meta["hyperparameters"], overrides, args, checkpoint)
@@ -2951,8 +2955,8 @@ def train_step(run: Run, step: int) -> Tensor:
     """One optimizer step: forward and backward over the stage's micro-batches (the last one's backward launches
     the gradient reduce-scatters), the optimizers at the step's lr and momentum, then fresh gradients. Returns
     this rank's mean loss, on the device."""
-    args, windows, mtp, accum = run.args, run.schedules.windows(step), run.schedules.mtp_weights(step), \
-        run.batches.accum(step)
+    args, windows, mtp = run.args, run.schedules.windows(step), run.schedules.mtp_weights(step)
+    accum = run.batches.accum(step)
     losses = []
     for i, (x, y) in enumerate(run.loader.next_batch(accum)):
         run.opt.sync.arm(i == accum - 1)
@@ -3087,8 +3091,9 @@ def log_train_step(run: Run, step: int, start_step: int, loss: Tensor, clock: Cl
     if train_loss is not None and not math.isfinite(train_loss):
         raise RunFailed(f"training loss is {train_loss} at step {step}; stopping (lower the learning rates and "
                         f"resume: {watch.hint()})")
-    run.log.write(progress_line(step, args.num_iterations, **({"train_loss": train_loss} if train_loss is not None
-                                                              else {}), train_time=ms, step_avg=ms / (step - start_step)))
+    loss_field = {"train_loss": train_loss} if train_loss is not None else {}
+    run.log.write(progress_line(step, args.num_iterations, **loss_field, train_time=ms,
+                                step_avg=ms / (step - start_step)))
     if run.metrics.file is None:  # a rank that writes no metrics (not rank 0) has nothing more to count
         return
     step_ms, tokens = ms - results.last_ms, run.batches.tokens(step - 1)

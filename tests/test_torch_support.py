@@ -54,7 +54,7 @@ def test_a_torch_older_than_the_range_is_refused_in_one_line_saying_what_to_inst
     result = run_main(TINY, tmp_path)
     assert result.returncode == 2 and result.stderr == (
         "error: torch 2.9.1+cu128 is older than the releases train_gpt.py supports (2.10 to 2.13): pip install "
-        "torch==2.13.0 (or any release from 2.10 to 2.13; README, \"Supported torch\")\n"), result.stderr
+        "torch==2.13.0 (or any release from 2.10 to 2.13; docs/supported-torch.md)\n"), result.stderr
     assert list(tmp_path.iterdir()) == []  # refused before anything is written
     assert lifecycle.torch_release_problem("2.13.0", (3, 10)).startswith("Python 3.10 is older than train_gpt.py needs")
     assert [lifecycle.torch_release(v) for v in ("2.11.0+cu130", "2.14.0.dev20260101", "2.10.0a0+gitabc")] == \
