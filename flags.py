@@ -338,13 +338,8 @@ def output_file(path: str | os.PathLike, what: str, fix: str) -> Path:
     if there:
         raise UsageError(f"cannot write {what} {path}: it is {there}; {fix}")
     folder = path.parent
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        why = "a file on the way is not a folder" if e.errno in (errno.ENOTDIR, errno.EEXIST) else e.strerror
-        raise UsageError(f"cannot write {what} {path}: cannot make its folder {folder} ({why}); {fix}") from None
-    if not os.access(folder, os.W_OK | os.X_OK):
-        raise UsageError(f"cannot write {what} {path}: its folder {folder} is not writable; {fix}")
+    writable_folder(folder, f"cannot write {what} {path}: cannot make its folder {folder}",
+                    f"cannot write {what} {path}: its folder {folder} is not writable", fix)
     return path
 
 
@@ -353,14 +348,19 @@ def output_folder(path: str | os.PathLike, what: str, fix: str) -> Path:
     path = Path(path)
     if os.path.lexists(path) and not path.is_dir():
         raise UsageError(f"cannot write into {what} {path}: it is not a folder; {fix}")
+    writable_folder(path, f"cannot make {what} {path}", f"cannot write into {what} {path}: permission denied", fix)
+    return path
+
+
+def writable_folder(folder: Path, cannot_make: str, cannot_write: str, fix: str) -> None:
+    """Makes folder (and the folders above it) if missing; one UsageError if it cannot, or cannot be written."""
     try:
-        path.mkdir(parents=True, exist_ok=True)
+        folder.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         why = "a file on the way is not a folder" if e.errno in (errno.ENOTDIR, errno.EEXIST) else e.strerror
-        raise UsageError(f"cannot make {what} {path} ({why}); {fix}") from None
-    if not os.access(path, os.W_OK | os.X_OK):
-        raise UsageError(f"cannot write into {what} {path}: permission denied; {fix}")
-    return path
+        raise UsageError(f"{cannot_make} ({why}); {fix}") from None
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise UsageError(f"{cannot_write}; {fix}")
 
 
 def write_user_file(path: str | os.PathLike, data: str | bytes, what: str, fix: str) -> Path:
