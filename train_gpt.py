@@ -286,17 +286,8 @@ def resolve_hyperparameters(overrides: dict[str, object], cuda_available: bool,
     if recipe not in RECIPES:
         raise UsageError(f"unknown recipe {recipe!r}; valid recipes: {', '.join(RECIPES)}")
     args = Hyperparameters(**{**PRESETS[preset], **RECIPES[recipe][preset], **overrides, "preset": preset})
-    args = tables_the_layers_hold(args, overrides)
     validate_args(args, overrides if check_unused else None)
     return args
-
-
-def tables_the_layers_hold(args: Hyperparameters, overrides: dict[str, object]) -> Hyperparameters:
-    """A preset's value-embedding table count on a shallower model: the tables it builds (one per encoder layer at
-    most), so that the log says what runs; a count set on the command line is checked instead (OnlyWhen)."""
-    if "value_embed_tables" in overrides or args.value_embed_tables <= max(1, args.n_layer // 2):
-        return args
-    return dataclasses.replace(args, value_embed_tables=max(1, args.n_layer // 2))
 
 
 def parse_args(argv: list[str], cuda_available: bool) -> Hyperparameters:
@@ -2184,7 +2175,6 @@ class OnlyWhen:
     flags: tuple[str, ...]
     holds: typing.Callable[[Hyperparameters], bool]
     why: typing.Callable[[Hyperparameters, str], str]  # the one line for a flag set while the condition fails
-    default_too: bool = False  # a range that depends on another value: its default, set explicitly, is refused too
 
 
 def only_if(flags: tuple[str, ...], holds: typing.Callable[[Hyperparameters], bool], needs: str,
@@ -2390,8 +2380,7 @@ TECHNIQUES: tuple[Technique, ...] = (
                    OnlyWhen(("value_embed_tables",), lambda a: a.value_embed_tables <= a.n_layer // 2,
                             lambda a, name: f"--value_embed_tables={a.value_embed_tables} is more tables than "
                             f"--n_layer={a.n_layer} uses (one per encoder layer: {a.n_layer // 2}); pass "
-                            f"--value_embed_tables={a.n_layer // 2} or fewer, or --n_layer={2 * a.value_embed_tables}",
-                            default_too=True))),
+                            f"--value_embed_tables={a.n_layer // 2} or fewer, or --n_layer={2 * a.value_embed_tables}"))),
     Technique(
         "attention_free_layer", ("2025-12-31_BulkSmallTrackTransfer",), "model", {"attention_free_layer": ANY_BOOL},
         {"medium": {}}, left_out=only_track_2("the attention-free layer after the middle")),
@@ -2517,7 +2506,7 @@ def check_only_when(args: Hyperparameters, explicit: typing.Collection[str]) -> 
     for rule in ONLY_WHEN:
         for name in rule.flags:
             if name in explicit and not rule.holds(args) and (
-                    rule.default_too or getattr(args, name) != getattr(Hyperparameters, name)):
+                    getattr(args, name) != getattr(Hyperparameters, name)):
                 raise UsageError(rule.why(args, name))
 
 

@@ -200,7 +200,7 @@ def test_validation_split_over_ranks_covers_the_budget_once(tmp_path):
     split = [T.validation_sequences(files, args, r, 3) for r in range(3)]
     assert sorted(tuple(s) for part in split for s in part) == sorted(tuple(s) for s in whole)
     too_much = T.Hyperparameters(val_tokens=4096, val_seq_len=256)
-    with pytest.raises(T.UsageError, match="lower --val_tokens"):
+    with pytest.raises(T.UsageError, match=r"hold 11: pass --val_tokens=2816 or fewer$"):
         T.validation_sequences(files, too_much, 0, 1)
 
 

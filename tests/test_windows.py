@@ -96,11 +96,13 @@ def test_only_the_window_section_computes_windows_and_every_consumer_calls_it():
     last = next(line for line in banners if line > first)
     found = dict(functions(ast.parse(source)))
     in_section = {name for name, node in found.items() if first < node.lineno < last}
-    assert {"attention_windows", "window_pair", "window_stage_blocks", "layer_windows", "attention_allowed",
-            "banded_window_mask", "sliding_window_block_mask"} <= in_section
+    assert {"attention_windows", "window_pair", "window_pairs", "window_stage_blocks", "layer_windows",
+            "attention_allowed", "banded_window_mask", "sliding_window_block_mask"} <= in_section
     outside = {name for name, node in found.items() if name not in in_section and does_window_arithmetic(node)}
     assert outside == set(), f"window arithmetic outside the attention windows section: {sorted(outside)}"
-    for name in ("StepTensors.__init__", "StepTensors.windows", "train_loop", "log_train_step", "finish"):
+    assert "attention_windows" in calls(found["window_pairs"])  # start-up's tensors: every pair it reaches
+    assert "window_pairs" in calls(found["StepTensors.__init__"])
+    for name in ("StepTensors.windows", "train_loop", "log_train_step", "finish"):
         assert "attention_windows" in calls(found[name]), name
     for name in ("GPT.layer_attention", "GPT.flops_per_token", "KVCache.__init__"):
         assert "layer_windows" in calls(found[name]), name
