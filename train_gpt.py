@@ -2380,7 +2380,8 @@ TECHNIQUES: tuple[Technique, ...] = (
                    OnlyWhen(("value_embed_tables",), lambda a: a.value_embed_tables <= a.n_layer // 2,
                             lambda a, name: f"--value_embed_tables={a.value_embed_tables} is more tables than "
                             f"--n_layer={a.n_layer} uses (one per encoder layer: {a.n_layer // 2}); pass "
-                            f"--value_embed_tables={a.n_layer // 2} or fewer, or --n_layer={2 * a.value_embed_tables}"))),
+                            f"--value_embed_tables={a.n_layer // 2} or fewer, "
+                            f"or --n_layer={2 * a.value_embed_tables}"))),
     Technique(
         "attention_free_layer", ("2025-12-31_BulkSmallTrackTransfer",), "model", {"attention_free_layer": ANY_BOOL},
         {"medium": {}}, left_out=only_track_2("the attention-free layer after the middle")),
