@@ -2837,10 +2837,11 @@ class Results:
     last_ms: float = 0.0  # the clock at the previous step's line
 
 
-def start(argv: list[str]) -> tuple[Hyperparameters, Runtime, RunFolder, Path | None, list[str]]:
+def start(argv: list[str]) -> tuple[Hyperparameters, Runtime, RunFolder, Path | None, list[str], list | None]:
     """Start-up, before anything is written: the flags, this process's rank and device, the checkpoint to resume
     (whose hyperparameters the run continues), the device choices and the run's folder. Everything a bad flag,
-    world size or checkpoint can fail, fails here. Also returns lines for the run log."""
+    world size or checkpoint can fail, fails here. Also returns lines for the run log and this rank's HellaSwag
+    examples (None without --hellaswag_every)."""
     overrides = parse_overrides(Hyperparameters, argv)
     check_torch_install(overrides.get("preset"))  # a torch outside the range, or one that cannot use this node's GPUs
     # A resumed run's unused flags are judged on its checkpoint's values, not on this preset's.
@@ -2864,12 +2865,23 @@ def start(argv: list[str]) -> tuple[Hyperparameters, Runtime, RunFolder, Path | 
               "pass --preset=speedrun to force the reference recipe", flush=True)
     rt = choose_runtime(place, args)
     check_data(args, place.is_master)
+    hellaswag = downstream_inputs(args, rt)
     folder = claim_run_folder(Path(args.log_dir), args.run_id, args.preset, args.resume, rt, checkpoint)
-    return args, rt, folder, checkpoint, notes
+    return args, rt, folder, checkpoint, notes, hellaswag
+
+
+def downstream_inputs(args: Hyperparameters, rt: Runtime) -> list | None:
+    """The tokenizer and HellaSwag file --sample_at_end and --hellaswag_every need, loaded before the run folder
+    exists: a missing one refuses the launch and writes nothing. evaluation.py only for a run that asks for it."""
+    if args.sample_at_end <= 0 and args.hellaswag_every <= 0:
+        return None
+    from evaluation import prepare_downstream
+    return prepare_downstream(args.sample_at_end, args.hellaswag_every, args.hellaswag_data, rt,
+                              max(args.seq_len, args.val_seq_len))  # the model's context_len
 
 
 def set_up(args: Hyperparameters, rt: Runtime, folder: RunFolder, log: RunLog, started: float,
-           batches: BatchSchedule, sources: dict[str, str]) -> Run:
+           batches: BatchSchedule, sources: dict[str, str], hellaswag: list | None) -> Run:
     """Data, model and optimizers: everything that can fail on bad input fails here, before step 0."""
     train_files = find_shards(args.train_files, "training")  # start() checked them (check_data)
     val_files = find_shards(args.val_files, "validation")
@@ -2887,11 +2899,6 @@ def set_up(args: Hyperparameters, rt: Runtime, folder: RunFolder, log: RunLog, s
     checkpoints = Checkpoints(folder, args.checkpoint_keep, rt, log, record)
     metrics = Metrics(folder.metrics if rt.is_master else None,
                       folder.tensorboard if args.tensorboard and rt.is_master else None, say=log.write)
-    hellaswag = None
-    if args.sample_at_end > 0 or args.hellaswag_every > 0:  # evaluation.py only for a run that asks for it
-        from evaluation import prepare_downstream
-        hellaswag = prepare_downstream(args.sample_at_end, args.hellaswag_every, args.hellaswag_data, rt,
-                                       model.context_len)
     return Run(args, rt, log, batches, model, step_model, opt, stream, loader, StepTensors(args, rt.device), val_seqs,
                hellaswag, checkpoints, EnergyMeter.open(rt), metrics, started, peak_tflops(device_name(rt)))
 
@@ -3226,7 +3233,7 @@ def train(argv: list[str], stop: StopSignal) -> int:
         print(help_text(parse_overrides(Hyperparameters, [a for a in argv if a not in ("--help", "-h")])))
         return EXIT_OK
     started = time.perf_counter()
-    args, rt, folder, checkpoint, notes = start(argv)
+    args, rt, folder, checkpoint, notes, hellaswag = start(argv)
     log = RunLog(folder.log if rt.is_master else None)
     lock_run_log(log, folder.run_id)
     try:
@@ -3235,7 +3242,7 @@ def train(argv: list[str], stop: StopSignal) -> int:
         clean_stale_staging(folder, log)
         for note in notes:
             log.write(note)
-        run = set_up(args, rt, folder, log, started, batches, sources)
+        run = set_up(args, rt, folder, log, started, batches, sources, hellaswag)
         try:
             if checkpoint is not None:  # before the warm-up's compiles
                 check_same_tensors(checkpoint, training_state(run.model, run.opt, run.stream, 0), rt,

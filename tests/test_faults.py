@@ -492,6 +492,8 @@ def test_a_refused_launch_writes_nothing_so_the_corrected_one_keeps_its_run_id(t
     ([], {"WORLD_SIZE": "2"}, "WORLD_SIZE=2 asks for a distributed run, but MASTER_ADDR is not set"),
     ([], {"RANK": "abc"}, "RANK='abc' is not an integer"),
     ([], {"WORLD_SIZE": "0"}, "WORLD_SIZE='0' is not an integer at least 1"),
+    (["--hellaswag_every=1", "--hellaswag_data=/nope/hellaswag_val.jsonl"], {},
+     "HellaSwag file /nope/hellaswag_val.jsonl does not exist"),  # was refused after the run log existed
 ])
 def test_start_up_refusals_are_one_line_and_write_nothing(tmp_path, monkeypatch, argv, env, message):
     for name, value in env.items():
