@@ -1,6 +1,6 @@
 # GPU image for the speedrun: CUDA 12 runtime from NVIDIA, Python 3.12, the project's pinned requirements. The pinned
 # torch (2.13.0) brings its own CUDA 13.0 libraries, so the host's NVIDIA driver must be 580 or newer; run.sh
-# says so in one line when it is older (README, "Supported torch").
+# says so in one line when it is older (docs/supported-torch.md).
 #   docker build -t gpt2-speedrun .
 #   docker run --gpus all --ipc=host -v "$PWD/data/fineweb10B:/speedrun/data/fineweb10B" \
 #       -v "$PWD/logs:/speedrun/logs" gpt2-speedrun

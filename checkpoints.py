@@ -194,7 +194,7 @@ def gather_objects(obj, place) -> list:
 def write_failure(e: BaseException) -> str:
     """One line for a failed write: DCP wraps each rank's error, and torch.save reports a full disk as a
     RuntimeError without errno."""
-    if isinstance(e, dcp().api.CheckpointException) and e.failures:
+    if isinstance(e, dcp().CheckpointException) and e.failures:
         return write_failure(next(iter(e.failures.values()))[0])
     if isinstance(e, OSError) and e.strerror:
         return e.strerror
@@ -247,7 +247,7 @@ class Checkpoints:
             staging.mkdir(parents=True, exist_ok=True)
             dcp_call(dcp().save, as_dcp_state(state, place), staging, place.world_size)
             records = {f.name: file_record(f) for f in files_written_by(staging, place.rank)}
-        except (OSError, RuntimeError, dcp().api.CheckpointException) as e:
+        except (OSError, RuntimeError, dcp().CheckpointException) as e:
             error = write_failure(e)
         if ranks_agree(not error, place):
             files = {name: rec for per_rank in gather_objects(records, place) for name, rec in per_rank.items()}
@@ -284,7 +284,7 @@ class Checkpoints:
             self.log.write(f"warning: the trainer's source changed since checkpoint {path} was written")
         try:
             dcp_call(dcp().load, as_dcp_state(state, self.place), path, self.place.world_size)
-        except (OSError, RuntimeError, ValueError, dcp().api.CheckpointException) as e:
+        except (OSError, RuntimeError, ValueError, dcp().CheckpointException) as e:
             raise UsageError(f"checkpoint {path} is unreadable ({write_failure(e)}); it is truncated or corrupt: "
                              "resume from an earlier checkpoint") from None
         self.resumed_from = path
@@ -498,7 +498,7 @@ def read_checkpoint_tensors(path: Path, prefix: str = "model/") -> dict[str, Ten
                    if name.startswith(prefix)}
         dcp_call(dcp().load, tensors, path, 1)
     except (OSError, RuntimeError, ValueError, EOFError, pickle.UnpicklingError,
-            dcp().api.CheckpointException) as e:
+            dcp().CheckpointException) as e:
         raise UsageError(f"checkpoint {path} is unreadable ({write_failure(e)}); it is truncated or corrupt: "
                          "use another step_N folder") from None
     return {name.removeprefix(prefix): t for name, t in tensors.items()}

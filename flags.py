@@ -28,7 +28,7 @@ import typing
 from dataclasses import dataclass
 from pathlib import Path
 
-# Exit statuses, the same for every program here (README, "Errors and exit statuses").
+# Exit statuses, the same for every program here (docs/reliability.md).
 EXIT_OK = 0
 EXIT_SOME_FAILED = 1  # a program that runs many jobs (bench/ablation.py) finished, but some of them failed
 EXIT_USAGE = 2  # a UsageError: the one-line message says what to fix
@@ -279,17 +279,17 @@ def what_is_there(path: Path) -> str:
             "not a regular file")
 
 
-def missing(path: Path) -> str:
-    """Why a path that cannot be stat'ed is not there: the nearest of its folders that is missing, or a file
-    on the way that is not a folder."""
+def missing(path: Path, said: str = "no such file") -> str:
+    """Why a path that cannot be stat'ed is not there (`said`, and the nearest of its folders that is missing), or
+    the file on the way that is not a folder."""
     for parent in path.parents:
         if parent.is_dir():
             break
         if parent.exists():
             return f"{parent} is not a folder"
         if parent.parent.is_dir():
-            return f"no such file (its folder {parent} does not exist either)"
-    return "no such file"
+            return f"{said} (its folder {parent} does not exist either)"
+    return said
 
 
 def user_file(path: str | os.PathLike, what: str, fix: str) -> Path:
@@ -373,7 +373,7 @@ def write_user_file(path: str | os.PathLike, data: str | bytes, what: str, fix: 
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".part")
         with os.fdopen(fd, "wb") as f:
             f.write(raw)
-        os.chmod(tmp, 0o666 & ~current_umask())
+        os.chmod(tmp, new_file_mode())
         os.replace(tmp, path)
     except OSError as e:
         if tmp is not None:
@@ -383,7 +383,8 @@ def write_user_file(path: str | os.PathLike, data: str | bytes, what: str, fix: 
     return path
 
 
-def current_umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
+def new_file_mode() -> int:
+    """The permissions open() gives a new file under this process's umask (0644 under the usual 022)."""
+    umask = os.umask(0o022)  # reading the umask means setting it: set it straight back
+    os.umask(umask)
+    return 0o666 & ~umask

@@ -26,7 +26,7 @@ from flags import UsageError
 # -----------------------------------------------------------------------------
 # Supported torch releases: every difference between them is handled here
 
-SUPPORTED_TORCH = ((2, 10), (2, 13))  # the oldest and newest minor releases the README's table says were checked
+SUPPORTED_TORCH = ((2, 10), (2, 13))  # oldest and newest minors docs/supported-torch.md says were checked
 
 
 PINNED_TORCH = "2.13.0"  # requirements.txt's pin, under which the records reproduce
@@ -110,7 +110,7 @@ def unusable_gpus_problem(preset: object) -> str:
     said = next((str(w.message).strip().splitlines()[0][:200] for w in caught if "CUDA" in str(w.message)), "")
     return (f"nvidia-smi lists {gpus} GPU(s) but torch {torch.__version__} ({build}) cannot use them"
             + (f" ({said})" if said else "") + ": install a torch wheel built for this driver's CUDA version "
-            "(nvidia-smi's header names it; README, \"Supported torch\"), or pass --preset=cpu to train on the CPU")
+            "(nvidia-smi's header names it; docs/supported-torch.md), or pass --preset=cpu to train on the CPU")
 
 
 def check_torch_install(preset: object) -> None:

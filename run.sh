@@ -14,7 +14,7 @@ if [ "$gpus" -gt 0 ]; then
     # A torch wheel that cannot use this driver would otherwise train the cpu preset on one gloo rank per GPU.
     if ! "$PYTHON" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' >/dev/null 2>&1; then
         build=$("$PYTHON" -c 'import torch; print(f"torch {torch.__version__}, CUDA {torch.version.cuda}")' 2>&1 | tail -n 1) || true
-        echo "run.sh: nvidia-smi lists ${gpus} GPU(s) but this Python's torch cannot use them (${build}); install a torch wheel built for this driver's CUDA version (README, \"Supported torch\": 2.10 to 2.13)" >&2
+        echo "run.sh: nvidia-smi lists ${gpus} GPU(s) but this Python's torch cannot use them (${build}); install a torch wheel built for this driver's CUDA version (docs/supported-torch.md: 2.10 to 2.13)" >&2
         exit 2
     fi
     preset=(--preset=speedrun)  # the user's own --preset wins

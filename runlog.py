@@ -490,7 +490,7 @@ class Metrics:
     def carry_over(self, checkpoint: Path, step: int) -> None:
         """A run resumed from another run's checkpoint (<log_dir>/<run_id>/step_N) continues that run: its records
         through `step` come first, so that this run's metrics file holds the whole run."""
-        other = checkpoint.parent.parent / f"{checkpoint.parent.name}.metrics.jsonl"
+        other = RunFolder(checkpoint.parent.parent, checkpoint.parent.name).metrics
         if self.file is None or not other.is_file() or other.resolve() == self.path.resolve():
             return
         order = list(METRIC_KEYS)  # at a step: its training, its validation, the target it reached

@@ -235,7 +235,7 @@ PRESETS = {
     ),
     # Track 2, GPT-2-medium-class to 2.92: the record of modded-nanogpt PR #188 (2025-12-31, records/track_2_medium/
     # 2025-12-31_BulkSmallTrackTransfer; "M" below: its train_gpt_medium.py at d7011639), as far as this trainer's
-    # techniques reach (README, "Presets": what it leaves out). Every lr is M's at its final batch: M's base lr
+    # techniques reach (docs/presets.md: what it leaves out). Every lr is M's at its final batch: M's base lr
     # times its peak multiplier 2.0 (get_lr), the batch stages scaling down from there.
     "medium": dict(
         n_layer=16, model_dim=1024, n_head=8, head_dim=128,  # M L1688-1695
@@ -1571,12 +1571,12 @@ class Bucket:
     """
 
     def __init__(self, params: list[nn.Parameter | None], kind: str, world_size: int):
-        self.params, self.kind, self.muon, self.world_size = params, kind, kind == "muon", world_size
+        self.params, self.kind, self.world_size = params, kind, world_size
         self.real = [p for p in params if p is not None]
         ref = self.real[0]
-        chunks = [p.numel() if self.muon else -(-p.numel() // world_size) for p in self.real]
-        self.offsets = [0] * len(chunks) if self.muon else [sum(chunks[:i]) for i in range(len(chunks))]
-        self.shard_numel = chunks[0] if self.muon else sum(chunks)
+        self.chunks = [p.numel() if self.muon else -(-p.numel() // world_size) for p in self.real]
+        self.offsets = [0] * len(self.chunks) if self.muon else [sum(self.chunks[:i]) for i in range(len(self.chunks))]
+        self.shard_numel = self.chunks[0] if self.muon else sum(self.chunks)
         self.ready = 0
         self.work = None
         self.shard: Tensor | None = None
@@ -1589,6 +1589,10 @@ class Bucket:
         gather_dtype = torch.bfloat16 if self.muon else ref.dtype
         self.gather_in = ref.new_zeros(self.shard_numel, dtype=gather_dtype) if world_size > 1 else None
         self.gather_out = ref.new_empty(self.shard_numel * world_size, dtype=gather_dtype) if world_size > 1 else None
+
+    @property
+    def muon(self) -> bool:
+        return self.kind == "muon"
 
     def numel(self) -> int:
         """The elements of its parameters (without padding)."""
@@ -1611,8 +1615,7 @@ class Bucket:
                     dest.zero_() if p.grad is None else dest.copy_(p.grad.view(-1))
             return self.grads_in
         rows = self.segments(self.grads_in)
-        for p, offset in zip(self.real, self.offsets):  # slice r of each parameter into segment r; padding stays 0
-            chunk = -(-p.numel() // self.world_size)
+        for p, offset, chunk in zip(self.real, self.offsets, self.chunks):  # slice r of each into segment r
             if p.grad is None:
                 rows[:, offset:offset + chunk].zero_()
             else:
@@ -1622,8 +1625,8 @@ class Bucket:
     def copy_gathered(self) -> None:
         """An Adam bucket's all-gathered slices into its parameters."""
         rows = self.segments(self.gather_out)
-        for p, offset in zip(self.real, self.offsets):
-            copy_slices(p.data.view(-1), rows, offset, -(-p.numel() // self.world_size), into_rows=False)
+        for p, offset, chunk in zip(self.real, self.offsets, self.chunks):
+            copy_slices(p.data.view(-1), rows, offset, chunk, into_rows=False)
 
 
 def copy_slices(flat: Tensor, rows: Tensor, offset: int, chunk: int, into_rows: bool) -> None:
@@ -2193,7 +2196,7 @@ def only_with(*flags: str, switch: str, on: bool = True) -> OnlyWhen:
 @dataclass(frozen=True)
 class Technique:
     """One technique of recipe v2: validation, the recipes, checkpoints, decoding, the optimizer's gate groups,
-    bench/ablation.py's variants and the README's Recipes table (a test holds it to this) all read it from here.
+    bench/ablation.py's variants and docs/techniques.md's table (a test holds it to this) all read it from here.
     Its flags are Hyperparameters fields (with their comments and defaults, which are the technique off); its
     math lives where the model or the optimizer uses it."""
     name: str  # bench/ablation.py calls its variants v2_without_<name> / v2_with_<name>
@@ -2856,8 +2859,8 @@ def start(argv: list[str]) -> tuple[Hyperparameters, Runtime, RunFolder, Path | 
         check_compatible(checkpoint, meta, args)
         batch_schedule(args, place.world_size)  # the checkpoint's batch on this launch's world size
         notes += resumed
-    else:
-        validate_args(args, overrides)  # --resume=auto that found nothing is a fresh run
+    elif overrides.get("resume"):  # --resume=auto that found nothing is a fresh run: its unused flags count
+        check_only_when(args, overrides)
     # a resumed run continues its checkpoint's preset, which its notes name
     if (place.is_master and checkpoint is None and args.preset == "cpu" and not torch.cuda.is_available()
             and "preset" not in overrides):
@@ -2877,7 +2880,7 @@ def downstream_inputs(args: Hyperparameters, rt: Runtime) -> list | None:
         return None
     from evaluation import prepare_downstream
     return prepare_downstream(args.sample_at_end, args.hellaswag_every, args.hellaswag_data, rt,
-                              max(args.seq_len, args.val_seq_len))  # the model's context_len
+                              ModelConfig.of(args).max_seq_len)
 
 
 def set_up(args: Hyperparameters, rt: Runtime, folder: RunFolder, log: RunLog, started: float,
@@ -3041,10 +3044,11 @@ def validate(run: Run, step: int, start_step: int, clock: Clock, results: Result
         raise RunFailed(f"validation loss is {results.val_loss} at step {step}; the run diverged "
                         f"(lower the learning rates and resume: {watch.hint()})")
     if results.target is None and (reached := target_among({step: val}, run.args.target_val_loss)):
-        results.target = target_reached(run, reached)
+        target_reached(run, reached)
+        results.target = reached
 
 
-def target_reached(run: Run, reached: dict) -> dict:
+def target_reached(run: Run, reached: dict) -> None:
     """Where the run first reached its target loss (runlog.target_among), into the log's target line and the
     metrics: the step, the run's training time, tokens and training energy (ranks and launches summed)."""
     joules = {"energy": reached["energy_j"]} if reached["energy_j"] is not None else {}
@@ -3053,7 +3057,6 @@ def target_reached(run: Run, reached: dict) -> dict:
                                 train_time=reached["train_time_ms"], **joules))
     run.metrics.write("target", **{**reached, "val_loss": reached["reached_val_loss"],
                                    "target_val_loss": reached["val_loss"]})
-    return reached
 
 
 def checkpoint_or_stop(run: Run, step: int, start_step: int, signum: int | None, clock: Clock,
@@ -3189,8 +3192,6 @@ def write_log_header(log: RunLog, args: Hyperparameters, rt: Runtime, run_id: st
                      batches: BatchSchedule) -> dict[str, str]:
     """The sources (this file and the siblings it uses), every resolved hyperparameter and the environment, before
     the first step line. Returns the sources, read once: the checkpoints' source hash is of what the log holds."""
-    if args.hellaswag_every > 0 or args.sample_at_end > 0:
-        import evaluation  # noqa: F401  (imported now, so that its source is embedded below)
     sources = trainer_sources(Path(__file__))
     accum = "/".join(map(str, batches.stage_accum))  # one number per batch stage
     write_header(log, sources, dataclasses.asdict(args),

@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import train_gpt as T  # its TECHNIQUES name the v2 variants; its parser checks every override
-from flags import OneLineArgumentParser, integer, number, run_cli
+from flags import EXIT_OK, EXIT_SOME_FAILED, OneLineArgumentParser, comma_list, integer, number, output_folder, run_cli
 from records.read_records import mean_std  # one mean and sample std for every table here
 
 REPO = Path(__file__).resolve().parents[1]
@@ -465,7 +465,6 @@ def parse_cli(argv: list[str]) -> argparse.Namespace:
                    help=f"held-out validation tokens, a multiple of {VAL_SEQ_LEN} ({DEFAULT_VAL_TOKENS})")
     p.add_argument("--suite", default="reference", choices=list(SUITES),
                    help="reference: the 2025-01-26 techniques; v2_part1: recipe v2's optimizer half")
-    from flags import comma_list, output_folder
     p.add_argument("--variants", type=comma_list(items="variant names"), default=None,
                    help="comma-separated subset of the suite's variants (all)")
     p.add_argument("--jobs", type=integer(1), default=2, help="parallel runs; each gets OMP_NUM_THREADS = cores // jobs")
@@ -524,7 +523,7 @@ def main(argv: list[str] | None = None) -> int:
     (out / "ablation.md").write_text(text)
     print(text)
     print(plot(stats, table.target, label, out / "ablation.png", suite))
-    return 1 if failures else 0
+    return EXIT_SOME_FAILED if failures else EXIT_OK
 
 
 if __name__ == "__main__":

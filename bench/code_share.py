@@ -70,7 +70,11 @@ def is_math(title: str, name: str) -> bool:
 
 def math_share(source: str) -> float:
     counted = counted_definitions(source)
-    return sum(n for t, name, n in counted if is_math(t, name)) / sum(n for _, _, n in counted)
+    return math_lines(counted) / sum(n for _, _, n in counted)
+
+
+def math_lines(counted: list[tuple[str, str, int]]) -> int:
+    return sum(n for t, name, n in counted if is_math(t, name))
 
 
 def main() -> int:
@@ -88,8 +92,8 @@ def main() -> int:
                 f"all but {', '.join(name for name, _ in mine if name not in math)}" if title in MATH_SECTIONS else
                 ", ".join(math) or "none")
         print(f"| {title} | {sum(n for _, n in mine)} | {sum(n for name, n in mine if name in math)} | {what} |")
-    math_lines = sum(n for t, name, n in counted if is_math(t, name))
-    print(f"\nthe speedrun's math: {math_lines} of {total} lines = {100 * math_lines / total:.1f}%")
+    math_total = math_lines(counted)
+    print(f"\nthe speedrun's math: {math_total} of {total} lines = {100 * math_total / total:.1f}%")
     for sibling in sorted(REPO.glob("*.py")):
         if sibling.name != "train_gpt.py":
             print(f"sibling {sibling.name}: {len(sibling.read_text().splitlines())} lines")

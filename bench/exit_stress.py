@@ -24,7 +24,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from flags import OneLineArgumentParser, integer, run_cli
+from flags import OneLineArgumentParser, comma_list, integer, run_cli
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -57,7 +57,6 @@ def main(argv: list[str] | None = None) -> int:
     parser = OneLineArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", type=integer(1), default=200, help="tiny 2-rank runs in all (default 200)")
     parser.add_argument("--jobs", type=integer(1), default=2, help="runs at a time, each pinned to its own core (default 2)")
-    from flags import comma_list
     parser.add_argument("--cores", type=comma_list(integer(0), items="core numbers"), default="0,1",
                         help="the cores to pin runs to, comma-separated (default 0,1)")
     parser.add_argument("--timeout", type=integer(1), default=300, help="seconds before a run counts as failed")

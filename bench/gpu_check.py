@@ -55,7 +55,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from flags import OneLineArgumentParser, integer, number, run_cli
+from flags import OneLineArgumentParser, integer, number, output_file, run_cli, write_user_file
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -588,7 +588,6 @@ OUT_FIX = "pass --out=FILE.json in a folder you can write"
 
 
 def write_json(out: Path, rows: list, details: dict) -> None:
-    from flags import write_user_file
     path = results_path(out, rows)
     write_user_file(path, json.dumps({"table": [dict(check=c, result=r, time=t, numbers=n) for c, r, t, n in rows],
                                       **details}, indent=1), "--out", OUT_FIX + " (the table is above)")
@@ -696,7 +695,6 @@ def main(argv: list[str] | None = None) -> int:
     started = time.time()
     a.budget_s = default_budget(a.only) if a.budget_s is None else a.budget_s
     a.out = default_out(a.only, a.resume_drill_on_cpu) if a.out is None else a.out
-    from flags import output_file
     output_file(a.out, "--out", OUT_FIX)  # now, not after the checks' minutes of GPU time
     scale = min(1.0, a.budget_s / sum(BUDGET_S[p] for p in a.only or BUDGET_S))
     shares = {part: s * scale for part, s in BUDGET_S.items()}

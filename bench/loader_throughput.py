@@ -23,7 +23,6 @@ import train_gpt as T
 from data import shardio
 from flags import OneLineArgumentParser, integer, run_cli
 
-REPO = Path(__file__).resolve().parents[1]
 
 
 def synthetic_documents(n: int, seed: int = 1, mean_doc: int = 40) -> np.ndarray:

@@ -61,7 +61,7 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import train_gpt as T
-from flags import OneLineArgumentParser, number, run_cli
+from flags import OneLineArgumentParser, comma_list, integer, number, run_cli
 
 GIB = 2 ** 30
 H100_GIB = 81559 / 1024  # nvidia-smi's total for an H100 80GB (SXM): 81,559 MiB
@@ -374,13 +374,17 @@ class Scenario:
         gc.collect()
         return fused, unfused
 
+    def final_windows(self) -> torch.Tensor:
+        """The model's windows input at the schedule's last step (the largest pair)."""
+        return torch.tensor(T.attention_windows(self.args.num_iterations, self.args), dtype=torch.int64)
+
     def train_step(self, meter: LiveMemory, opt: T.Optimizers, accum: int) -> None:
         """train_step's micro-steps (at most 2 run: from the second on, the gradients of the earlier ones are
         alive, and every later one is the same) and its optimizer step."""
         args, model = self.args, self.model
-        windows = torch.tensor(T.attention_windows(args.num_iterations, args), dtype=torch.int64)  # the final pair
-        mtp = [torch.tensor(T.mtp_loss_weights(0, args.num_iterations, args.mtp_tokens, args.mtp_frac))] \
-            if args.mtp_tokens > 1 else []
+        windows = self.final_windows()
+        mtp = ([torch.tensor(T.mtp_loss_weights(0, args.num_iterations, args.mtp_tokens, args.mtp_frac))]
+               if args.mtp_tokens > 1 else [])
         model.train()
         for i in range(min(accum, 2)):
             with meter.phase("inputs"):
@@ -401,7 +405,7 @@ class Scenario:
     def validation(self, meter: LiveMemory) -> None:
         """evaluate(): eval mode, no grad, one val_seq_len sequence through the model's forward."""
         args, model = self.args, self.model
-        windows = torch.tensor(T.attention_windows(args.num_iterations, args), dtype=torch.int64)  # the final pair
+        windows = self.final_windows()
         with meter.phase("inputs"):
             seq = fake_tokens(args.val_seq_len).clone()
         model.eval()
@@ -455,7 +459,6 @@ def main(argv: list[str] | None = None) -> int:
                               formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="speedrun", choices=["speedrun", "medium"],
                    help="train_gpt.py's preset whose shapes are measured (default speedrun)")
-    from flags import comma_list, integer
     p.add_argument("--recipes", type=comma_list(choices=tuple(T.RECIPES)), default="reference,v2",
                    help="comma-separated train_gpt.py recipes (reference,v2)")
     p.add_argument("--gpus", type=comma_list(integer(1), items="world sizes"), default="1,8",

@@ -17,15 +17,13 @@ from __future__ import annotations
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 
 import train_gpt as T
 from bench import ablation
-from flags import OneLineArgumentParser, integer, run_cli
+from flags import OneLineArgumentParser, comma_list, integer, run_cli
 
-REPO = Path(__file__).resolve().parents[1]
 
 STEP_TOKENS = 4096  # the cpu ablation's full batch: 4 sequences of 1,024
 
@@ -60,7 +58,6 @@ def time_variant(overrides: list[str], steps: int) -> tuple[float, float]:
 def main(argv: list[str] | None = None) -> int:
     p = OneLineArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--suite", default="v2", choices=list(ablation.SUITES), help="whose variants to time (v2)")
-    from flags import comma_list
     p.add_argument("--variants", type=comma_list(items="variant names"), default=None,
                    help="comma-separated subset (all of the suite's)")
     p.add_argument("--steps", type=integer(1), default=3, help="timed steps per variant, after one untimed (3)")

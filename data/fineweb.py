@@ -39,7 +39,7 @@ from typing import Iterable, Iterator
 import numpy as np
 
 from data import shardio
-from flags import OneLineArgumentParser, UsageError, integer, one_line, run_cli
+from flags import OneLineArgumentParser, UsageError, integer, one_line, output_folder, run_cli, user_file
 
 DATA_DIR = Path(__file__).resolve().parent
 DEFAULT_SHARD_SIZE = 100_000_000
@@ -360,7 +360,6 @@ def run(argv: list[str] | None = None) -> int:
         out_dir = args.output_dir or DATA_DIR / folder
         docs = docs_from_fineweb(args.version, args.streaming)
     else:
-        from flags import user_file
         for path in args.input:
             user_file(path, "--input", "pass .txt, .jsonl or .parquet files")
             if input_format(path) == "parquet":
@@ -373,7 +372,6 @@ def run(argv: list[str] | None = None) -> int:
     if old and not args.overwrite:
         raise UsageError(f"{out_dir} already holds {len(old)} shard(s) named {name}_*; pass --overwrite to replace them")
     created = [folder for folder in (out_dir, *out_dir.parents) if not folder.exists()]  # deepest first
-    from flags import output_folder
     output_folder(out_dir, "--output_dir", "pass a folder you can write (made if missing)")
 
     from tqdm import tqdm

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from data import shardio
-from flags import OneLineArgumentParser, UsageError, integer, one_line, run_cli
+from flags import OneLineArgumentParser, UsageError, integer, one_line, output_folder, run_cli
 
 DATA_DIR = Path(__file__).resolve().parent
 DEFAULT_TRAIN_SHARDS = 8  # 800M tokens; one speedrun (1770 steps x 393,216 tokens) reads fewer than 9 shards
@@ -251,7 +251,6 @@ def run(key: str, argv: list[str] | None = None) -> int:
     hub = _import_hub()
     from tqdm import tqdm
 
-    from flags import output_folder
     output_folder(local_dir, "--local_dir", "pass a folder you can write (made if missing)")
 
     names = shard_names(ds, args.num_train)

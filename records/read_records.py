@@ -66,7 +66,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from flags import OneLineArgumentParser, UsageError, number, one_line, run_cli  # torch-free: runs on any laptop
+from flags import OneLineArgumentParser, UsageError, missing, number, one_line, run_cli, what_is_there
 
 # The run log's progress lines, as train_gpt.py's progress_line() writes them: the one reader (bench/ and the
 # tests use it too). The units are those of the trainer's PROGRESS_FIELDS (tests/test_records.py holds the two
@@ -231,8 +231,7 @@ def _scan_steps(lines: list[str]):
             continue
         last = (parsed.step, parsed.total)
         val = "val_loss" in parsed.fields
-        for stale in [step for step in curve if step > parsed.step or step == parsed.step and not val]:
-            del curve[stale]
+        supersede({"val": curve}, parsed.step, "val" if val else "train")
         if val:
             curve[parsed.step] = (parsed.step, parsed.fields["val_loss"],
                                   parsed.fields.get("train_time", math.nan) + earlier_ms)
@@ -565,11 +564,10 @@ def find_files(paths: list[str], skipped: list[tuple[str, str]]) -> list[Path]:
 
 def not_a_log_path(path: Path) -> str:
     """Why a command-line path that is neither a file nor a folder is skipped (a FIFO would block the reader)."""
-    from flags import missing, what_is_there
     try:
         return f"it is {what_is_there(path)}, not a log file or a folder of them"
     except (FileNotFoundError, NotADirectoryError):
-        return missing(path).replace("no such file", "no such file or folder")
+        return missing(path, said="no such file or folder")
     except OSError as e:
         return e.strerror or str(e)
 
@@ -964,7 +962,6 @@ def prepare_plot_folder(outdir: str) -> None:
     write (a user's file is never replaced)."""
     folder = Path(outdir)
     if folder.exists() and not folder.is_dir():
-        from flags import what_is_there
         raise UsageError(f"--plot {outdir} is {what_is_there(folder) or 'a file'}, not a folder; pass a folder (it is "
                          "made if missing)")
     try:

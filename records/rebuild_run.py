@@ -19,7 +19,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from flags import OneLineArgumentParser, UsageError, run_cli
+from flags import OneLineArgumentParser, UsageError, output_folder, read_user_file, run_cli, write_user_file
 from records.read_records import hyperparameter_blocks, log_sources  # the run log's one reader
 
 
@@ -38,13 +38,11 @@ def as_flag(name: str, text: str) -> str:
 
 def rebuild(log: Path, out_dir: Path) -> tuple[list[str], list[str]]:
     """Writes the log's sources into out_dir; returns the command that reruns the run and the files written."""
-    from flags import read_user_file, write_user_file
     text = read_user_file(log, "the log", "pass a <run_id>.txt that train_gpt.py wrote")
     sources, rest = log_sources(text)
     if "train_gpt.py" not in sources:
         raise UsageError(f"{log} embeds no train_gpt.py source: not a run log of this project's trainer")
     values = logged_hyperparameters(rest)
-    from flags import output_folder
     output_folder(out_dir, "OUT_DIR", "pass an empty or new folder you can write")
     taken = [name for name in sources if os.path.lexists(out_dir / name)]
     if taken:

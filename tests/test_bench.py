@@ -6,7 +6,6 @@ import math
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -16,8 +15,8 @@ import flags
 import train_gpt as T
 from bench import ablation as A
 from bench import gpu_check as G
+from conftest import REPO
 
-REPO = Path(__file__).resolve().parents[1]
 
 
 def summary(variant, seed, losses, val_every=3, batch=2048, train_time_ms=10_000.0, hyperparameters=None):

@@ -12,7 +12,6 @@ import pytest
 import flags
 import train_gpt as T
 
-REPO = Path(__file__).resolve().parents[1]
 
 RECORD_2025_01_26 = dict(
     val_tokens=10485760, batch_tokens=8 * 48 * 1024, seq_len=48 * 1024, val_seq_len=4 * 64 * 1024,

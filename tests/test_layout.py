@@ -50,8 +50,7 @@ def test_a_reader_meets_the_model_in_the_first_quarter_of_the_file():
 
 @pytest.mark.parametrize("name", ["train_gpt.py", *SIBLINGS])
 def test_the_code_reads_without_continuations_long_lines_or_long_functions(name):
-    """No backslash continuation, no line over 120 characters, and (in train_gpt.py) no function over 60 lines:
-    density that a line cap once forced, undone."""
+    """No backslash continuation, no line over 120 characters, and (in train_gpt.py) no function over 60 lines."""
     source = (REPO / name).read_text()
     long = [i + 1 for i, line in enumerate(source.splitlines()) if len(line) > 120]
     assert long == [], long

@@ -15,6 +15,7 @@ import torch
 import runlog
 import train_gpt as T
 from conftest import IMPORT_ENV, REPO, TINY, parse_progress_line, run_trainer
+from records import read_records as rr
 
 CPU_RANK0 = T.Runtime(0, 0, 1, torch.device("cpu"), torch.float32, "banded", False, "off")
 
@@ -187,16 +188,10 @@ def test_the_loop_counts_training_energy_and_not_validation(tmp_path, monkeypatc
 
 # ---------------------------------------------------------------- the metrics file, read back by its one reader
 
-def reader():
-    from records import read_records
-    return read_records
-
-
 def test_a_runs_metrics_file_holds_every_step_and_validation_and_the_reader_reads_it_back(tiny_run):
     """The tiny run (4 steps of 512 tokens, validations at 0, 2, 4): one train record per step and one val record
     per validation, with the log's losses, the schedule's lr multipliers, cumulative tokens and positive
     throughput; no MFU on a CPU (no peak known), no energy without a counter."""
-    rr = reader()
     metrics = rr.read_metrics(tiny_run / "tiny.metrics.jsonl")
     assert metrics.skipped == []
     train, val = metrics.records["train"], metrics.records["val"]
@@ -224,7 +219,6 @@ def train_losses_of(log):
 
 
 def test_the_readers_metric_keys_are_the_writers(tiny_run):
-    rr = reader()
     assert rr.METRIC_KINDS == {kind: keys for kind, keys in runlog.METRIC_KEYS.items()}
     assert set(rr.METRIC_RULES) == {key for keys in runlog.METRIC_KEYS.values() for key in keys}
 
@@ -232,7 +226,6 @@ def test_the_readers_metric_keys_are_the_writers(tiny_run):
 def test_a_torn_or_odd_metrics_file_is_read_as_far_as_it_can_be(tmp_path):
     """A crash mid-line, a wrong type, a kind or key this reader does not know: each skipped with a reason, the rest
     read; a later record of a step (a resumed run) replaces the earlier one; the command line never fails on it."""
-    rr = reader()
     path = tmp_path / "r.metrics.jsonl"
     good = {"kind": "val", "step": 0, "tokens": 0, "val_loss": 10.8, "train_time_ms": 0.0, "energy_j": None}
     lines = [json.dumps(good), json.dumps({**good, "step": 2, "val_loss": "low"}),
@@ -347,7 +340,7 @@ def test_the_target_marks_the_run_and_can_stop_it(tmp_path):
         "train_time": round(reached["train_time_ms"])}
     card = (tmp_path / "marks.md").read_text()
     assert "| target | val loss <= 10.7: reached at step 2, " in card
-    metrics = reader().read_metrics(tmp_path / "marks.metrics.jsonl")
+    metrics = rr.read_metrics(tmp_path / "marks.metrics.jsonl")
     assert metrics.records["target"] == {2: {
         "step": 2, "tokens": 1024, "val_loss": reached["reached_val_loss"], "target_val_loss": 10.7,
         "train_time_ms": reached["train_time_ms"], "energy_j": reached["energy_j"]}}, metrics.skipped
@@ -356,7 +349,6 @@ def test_the_target_marks_the_run_and_can_stop_it(tmp_path):
     summary = json.loads((tmp_path / "stops.json").read_text())
     assert summary["steps"] == 2 and summary["stopped_at_target"] and summary["target"]["step"] == 2
     assert [p[0] for p in summary["val_curve"]] == [0, 2] and "final: val_loss:" in stopped.stdout
-    rr = reader()
     for path in (tmp_path / "marks.txt", tmp_path / "marks.json"):  # each of the trainer's files, read alone
         (run,), skipped = rr.read_runs([str(path)])
         assert not skipped and (run.target_step, run.target_loss) == (2, 10.7), path
@@ -483,5 +475,5 @@ def test_energy_is_stored_in_checkpoints_and_continued_on_resume(tmp_path, ranks
     target = summary["target"]
     assert target["step"] == 4 and target["energy_j"] == pytest.approx(summary["energy"]["train"], rel=0.02)
     assert target["energy_j"] > segments[1]["energy_j"]["train"]  # the first launch's energy is in it
-    val = reader().read_metrics(tmp_path / "e.metrics.jsonl").records["val"]
+    val = rr.read_metrics(tmp_path / "e.metrics.jsonl").records["val"]
     assert val[4]["energy_j"] == pytest.approx(target["energy_j"])

@@ -319,7 +319,7 @@ def test_a_second_ctrl_c_ends_the_launcher_and_its_workers_at_once_in_one_line(t
     assert "stopped cleanly" not in stdout and not alive
 
 
-# ----------------------------------------------------------------------------- cli.py: a user's paths and lists
+# ----------------------------------------------------------------------------- flags.py: a user's paths and lists
 
 def test_a_users_path_to_read_is_one_line_for_each_way_it_cannot_be_read(tmp_path):
     from flags import UsageError, read_user_file

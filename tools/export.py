@@ -18,7 +18,7 @@ import os
 import sys
 from pathlib import Path
 
-from flags import OneLineArgumentParser, run_cli
+from flags import OneLineArgumentParser, new_file_mode, run_cli
 from tools.loading import (EXPORT_CONFIG, EXPORT_FORMAT, EXPORT_FORMAT_VERSION, EXPORT_WEIGHTS, LoadedModel, T,
                            load_model, safetensors_torch)
 
@@ -67,13 +67,6 @@ def write_export(st, loaded: LoadedModel, out_dir: Path) -> None:
     (out_dir / (EXPORT_CONFIG + ".part")).write_text(json.dumps(config, indent=1))
     os.replace(str(weights) + ".part", weights)
     os.replace(out_dir / (EXPORT_CONFIG + ".part"), meta)
-
-
-def new_file_mode() -> int:
-    """The permissions open() gives a new file under this process's umask (0644 under the usual 022)."""
-    umask = os.umask(0o022)  # reading the umask means setting it: set it straight back
-    os.umask(umask)
-    return 0o666 & ~umask
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 import evaluation
-from flags import integer, run_cli
+from flags import integer, run_cli, user_file
 from tools.loading import load_model, model_parser
 
 
@@ -32,7 +32,6 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     opts = parse(argv)
     if opts.data:  # now, not after the model loads
-        from flags import user_file
         user_file(opts.data, "--data", evaluation.HELLASWAG_FETCH_HINT)
     loaded = load_model(opts.checkpoint, opts.device, opts.window)
     max_tokens = min(evaluation.HELLASWAG_PACK_TOKENS, loaded.model.context_len)

@@ -23,7 +23,7 @@ import os
 import signal
 import sys
 
-from flags import EXIT_OK, EXIT_PEER_LOST, one_line, run_cli
+from flags import EXIT_OK, EXIT_PEER_LOST, UsageError, one_line, run_cli, user_file
 
 DEFAULT_JOIN_TIMEOUT_S = 600  # torch.distributed.elastic's c10d rendezvous default
 DEFAULT_READ_TIMEOUT_S = 60  # its store's: connecting to an unreachable endpoint takes ~2 x 60 s + retries
@@ -39,7 +39,6 @@ def torchrun_args(argv: list[str]):
     argparse's usage block, or a traceback of its agent's assertions)."""
     import io
     from torch.distributed.run import determine_local_world_size, parse_args, parse_min_max_nnodes
-    from flags import UsageError, user_file
     said = io.StringIO()
     try:
         with contextlib.redirect_stderr(said):

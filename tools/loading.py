@@ -16,7 +16,7 @@ import torch
 
 import checkpoints
 import train_gpt as T
-from flags import OneLineArgumentParser
+from flags import OneLineArgumentParser, missing, what_is_there
 
 
 def model_parser(doc: str) -> OneLineArgumentParser:
@@ -154,13 +154,12 @@ def load_model(path: str | Path, device: str | torch.device = "auto", window: st
         return load_checkpoint(path, device, window)
     if (path / EXPORT_CONFIG).is_file() and (path / EXPORT_WEIGHTS).is_file():
         return load_exported(path, device, window)
-    from flags import missing, what_is_there
     try:
         there = what_is_there(path) or "a file"
         what = (f"has no {checkpoints.CHECKPOINT_META} (nor {EXPORT_CONFIG} + {EXPORT_WEIGHTS})" if path.is_dir()
                 else f"is {there}, not a folder")
     except (FileNotFoundError, NotADirectoryError):
-        what = "does not exist" + missing(path).removeprefix("no such file")
+        what = missing(path, said="does not exist")
     except OSError as e:
         what = f"cannot be read ({e.strerror or e})"
     raise T.UsageError(f"{path} {what}; pass a step_N folder that train_gpt.py wrote (train with "
