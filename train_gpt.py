@@ -104,6 +104,9 @@ class Hyperparameters:
                                    "('1/3,2/3,1': the record's 131K -> 262K -> 393K); empty: batch_tokens throughout")
     batch_lr_exponent: float = flag(0.6, "same record: a stage's lrs are scaled by (its tokens / batch_tokens) ** "
                                          "0.6")
+    batch_sequences: int = flag(0, "track 2, 2025-12-31_BulkSmallTrackTransfer: every step is this many packed "
+                                   "sequences of (stage tokens / N) each, seq_len the longest (M L1351, L1718: one "
+                                   "buffer per GPU); 0: seq_len sequences, micro-steps grow with the stage")
     val_seq_len: int = flag(4 * 64 * 1024, "R: 256K-token val sequences cut fewer documents (~0.0015 lower val loss)")
     num_iterations: int = flag(1770, "R", group="schedule")
     cooldown_frac: float = flag(0.4, "R: lr decays linearly over this last fraction of training ...")
@@ -241,8 +244,9 @@ PRESETS = {
         n_layer=16, model_dim=1024, n_head=8, head_dim=128,  # M L1688-1695
         value_embed_tables=5, attention_free_layer=False,  # M: tables at layers 0-4 and 11-15; all 16 layers attend
         batch_tokens=524288, batch_schedule="1/4,1/2,3/4,1,1,1,1,1,1,1,1,1",  # M L1617-1620: 12 equal stages
+        batch_sequences=8,  # M L1351, L1718: one packed buffer of stage/8 tokens per GPU on its 8 GPUs
         batch_lr_exponent=0.5,  # M's stage lrs 0.5/0.76/0.865 of the last (get_lr); 0.5 gives 0.5/0.707/0.866
-        seq_len=16 * 1024,  # the 131K-token first stage is 8 sequences: whole on 1, 2, 4 or 8 GPUs
+        seq_len=64 * 1024,  # the last stage's buffer, 524288 / 8 (sizes the rotary tables); 16K to 64K per stage
         num_iterations=4740, cooldown_frac=0.7, lr_final_frac=0.05,  # M: 4700 + 40 steps; lr 2.0 -> 0.1 (L1420-1435)
         val_every=250,  # M L1632
         window_stages="3,7,11,13,15,17,19,21,23,23,23,23", short_window_cap=11,  # M L1636-1638, get_ws
@@ -311,6 +315,7 @@ def resumed_hyperparameters(recorded: dict, overrides: dict[str, object], fresh:
         if name in overrides and name in recorded and overrides[name] != recorded[name]:
             raise UsageError(f"--{name}={overrides[name]} differs from checkpoint {path}'s {name} {recorded[name]}: "
                              f"a resumed run keeps its {name}; drop --{name}, or start a new run")
+    check_unrecorded(recorded, overrides, path)
     carried = {}
     for name, value in recorded.items():
         if name not in kinds or name in PER_LAUNCH_FIELDS or name in overrides:
@@ -329,6 +334,21 @@ def resumed_hyperparameters(recorded: dict, overrides: dict[str, object], fresh:
     if changed:
         lines.append(f"resume: changed on the command line: {', '.join(changed)}")
     return args, lines
+
+
+def check_unrecorded(recorded: dict, overrides: dict[str, object], path: Path) -> None:
+    """Refuses a checkpoint from an older train_gpt.py whose preset has since changed: a flag it does not record
+    ran at its default, today's behaviour then, and its preset now sets the flag otherwise (the medium preset's
+    record layout, say), so the run cannot go on as it began."""
+    preset, recipe = recorded.get("preset"), recorded.get("recipe", Hyperparameters.recipe)
+    now = {**PRESETS.get(preset, {}), **RECIPES.get(recipe, {}).get(preset, {})}
+    defaults = {f.name: f.default for f in fields(Hyperparameters)}
+    changed = [f"{name}={flag_text(defaults[name])} (now {flag_text(value)})" for name, value in now.items()
+               if name not in recorded and name not in overrides and value != defaults[name]]
+    if changed:
+        raise UsageError(f"checkpoint {path} is from an older train_gpt.py, whose {preset} preset ran with "
+                         f"{', '.join(changed)}: resume it with the train_gpt.py that wrote it (its sha256 is in "
+                         "checkpoint.json), or start a fresh run")
 
 
 def stage_fractions(text: str) -> list[Fraction] | None:
@@ -1808,9 +1828,11 @@ def build_optimizers(model: GPT, args: Hyperparameters, rank: int, world_size: i
 class BatchSchedule:
     """Global tokens per optimizer step at every step: batch_tokens throughout, or --batch_schedule's stages,
     equal in length (2025-11-29_BatchSizeSchedule: stage int(3 * step / num_iterations)). Every stage is
-    whole micro-steps of seq_len tokens on every rank, so the shapes (and compiled kernels) never change."""
+    whole micro-steps of seq_len tokens on every rank, so the shapes (and compiled kernels) never change; with
+    --batch_sequences each stage is that many sequences of its own length instead (one compile per stage)."""
     stage_tokens: tuple[int, ...]
     stage_accum: tuple[int, ...]  # micro-steps per rank in each stage
+    stage_seq_len: tuple[int, ...]  # tokens per sequence (per micro-step) in each stage
     num_iterations: int
     batch_tokens: int
     lr_exponent: float
@@ -1823,6 +1845,9 @@ class BatchSchedule:
 
     def accum(self, step: int) -> int:
         return self.stage_accum[self.stage(step)]
+
+    def seq_len(self, step: int) -> int:
+        return self.stage_seq_len[self.stage(step)]
 
     def lr_scale(self, step: int) -> float:
         """The record scales every lr as batch ** 0.6; batch_tokens' lrs are the base."""
@@ -1839,11 +1864,20 @@ class BatchSchedule:
                    for tokens, begin, end in zip(self.stage_tokens, starts, ends))
 
 
+def packed_lengths(args: Hyperparameters) -> list[Fraction]:
+    """--batch_sequences: every stage's sequence length, stage tokens / batch_sequences (exact: a stage that does
+    not split shows)."""
+    fracs = stage_fractions(args.batch_schedule) if args.batch_schedule else [Fraction(1)]
+    return [args.batch_tokens * f / args.batch_sequences for f in fracs]
+
+
 def batch_schedule(args: Hyperparameters, world_size: int) -> BatchSchedule:
     """Every stage's tokens and micro-steps; refuses a world size that cannot split every stage into whole
     sequences per rank, naming the world sizes that can."""
     fracs = stage_fractions(args.batch_schedule) if args.batch_schedule else [Fraction(1)]
     tokens = tuple(int(args.batch_tokens * f) for f in fracs)
+    if args.batch_sequences:
+        return packed_batch_schedule(args, tokens, world_size)
     sequences = [n // args.seq_len if n % args.seq_len == 0 else 0 for n in tokens]
     if any(n == 0 or n % world_size for n in sequences):
         valid = [w for w in range(1, min(sequences) + 1) if all(n % w == 0 for n in sequences)]
@@ -1851,8 +1885,21 @@ def batch_schedule(args: Hyperparameters, world_size: int) -> BatchSchedule:
                  else f"the --batch_schedule stages {'/'.join(map(str, tokens))} tokens")
         raise UsageError(f"world size {world_size} cannot split {batch} into sequences of --seq_len={args.seq_len} "
                          f"for every rank; world sizes that work: {valid or 'none (fix the batch size)'}")
-    return BatchSchedule(tokens, tuple(n // world_size for n in sequences), args.num_iterations,
-                         args.batch_tokens, args.batch_lr_exponent)
+    return BatchSchedule(tokens, tuple(n // world_size for n in sequences), (args.seq_len,) * len(tokens),
+                         args.num_iterations, args.batch_tokens, args.batch_lr_exponent)
+
+
+def packed_batch_schedule(args: Hyperparameters, tokens: tuple[int, ...], world_size: int) -> BatchSchedule:
+    """--batch_sequences: every step is N sequences of (stage tokens / N), sequence j on rank j % W (M L1351,
+    L1718: one buffer per GPU, grad_accum 8 / W); refuses a world size that does not divide N."""
+    n = args.batch_sequences
+    if n % world_size:
+        valid = [w for w in range(1, n + 1) if n % w == 0]
+        raise UsageError(f"world size {world_size} cannot split --batch_sequences={n} packed sequences per step "
+                         f"evenly over its ranks (the record's one buffer per GPU on {n} GPUs); world sizes that "
+                         f"work: {valid}")
+    return BatchSchedule(tokens, (n // world_size,) * len(tokens), tuple(t // n for t in tokens),
+                         args.num_iterations, args.batch_tokens, args.batch_lr_exponent)
 
 
 def lr_multiplier(step: int, num_iterations: int, cooldown_frac: float, final_frac: float) -> float:
@@ -2090,6 +2137,19 @@ class TokenStream:
                                 "than the shard yields one sequence): pass --bos_align=false or add shards") from None
         raise UsageError(f"no shard of {[str(f) for f in self.files]} holds a sequence of {n + 1} tokens")
 
+    def take_together(self, count: int, n: int, bos_align: bool = False, doc_cap: int = 0) -> list[np.ndarray]:
+        """count sequences as take() cuts them, all from one shard: where the shard runs out part-way, all of them
+        come from the next shard, from its first document (M L1287, L1356-1360: one step's buffers, one shard)."""
+        for _ in range(2 * len(self.files) + 1):
+            chunks = [self.take(n, bos_align, doc_cap)]
+            shard = (self.epoch, self.shard)
+            while len(chunks) < count and (self.epoch, self.shard) == shard:
+                chunks.append(self.take(n, bos_align, doc_cap))
+            if (self.epoch, self.shard) == shard:
+                return chunks
+            self.pos = 0  # the step starts again at the new shard's start
+        raise UsageError(f"no shard of {[str(f) for f in self.files]} holds {count} sequences of {n + 1} tokens")
+
     def _capped_documents(self, start: int, need: int, cap: int) -> list[tuple[int, int]] | None:
         """[begin, end) of the documents from the one at `start` on, each cut to cap tokens and the last one
         to what fills `need` tokens (2025-09-03_FA3's packing); None if this shard runs out first."""
@@ -2117,17 +2177,21 @@ def to_device(chunk: np.ndarray, device: torch.device) -> tuple[Tensor, Tensor]:
 class DistributedTokenLoader:
     """Cuts each global batch into world_size * accum sequences; rank r takes sequences r, r + W, ...
 
-    Every rank walks the same global layout, so the batch does not depend on the world size.
+    Every rank walks the same global layout, so the batch does not depend on the world size. With
+    step_in_one_shard (--batch_sequences) a step's sequences all come from one shard, as the record's 8 buffers.
     """
 
-    def __init__(self, stream: TokenStream, seq_len: int, rank: int, world_size: int, bos_align: bool,
-                 doc_cap: int, device: torch.device):
-        self.stream, self.seq_len, self.rank, self.world_size = stream, seq_len, rank, world_size
+    def __init__(self, stream: TokenStream, rank: int, world_size: int, bos_align: bool, doc_cap: int,
+                 device: torch.device, step_in_one_shard: bool = False):
+        self.stream, self.rank, self.world_size = stream, rank, world_size
         self.bos_align, self.doc_cap, self.device = bos_align, doc_cap, device
+        self.step_in_one_shard = step_in_one_shard
 
-    def next_batch(self, accum: int) -> list[tuple[Tensor, Tensor]]:
-        """The step's accum micro-batches of this rank."""
-        chunks = [self.stream.take(self.seq_len, self.bos_align, self.doc_cap) for _ in range(self.world_size * accum)]
+    def next_batch(self, accum: int, seq_len: int) -> list[tuple[Tensor, Tensor]]:
+        """The step's accum micro-batches of this rank, each seq_len tokens."""
+        count, cut = self.world_size * accum, (seq_len, self.bos_align, self.doc_cap)
+        chunks = (self.stream.take_together(count, *cut) if self.step_in_one_shard
+                  else [self.stream.take(*cut) for _ in range(count)])
         return [to_device(chunks[i], self.device) for i in range(self.rank, len(chunks), self.world_size)]
 
 
@@ -2266,6 +2330,18 @@ TECHNIQUES: tuple[Technique, ...] = (
          "cpu": dict(batch_schedule="1/3,2/3,1", cooldown_frac=0.55), "medium": {}},
         only_when=(only_if(("batch_lr_exponent",), lambda a: a.batch_schedule != "", "a --batch_schedule",
                            lambda a: "none (one batch size, whose lrs are the base)"),)),
+    Technique(  # M L1351, L1364-1368, L1718: one buffer of stage/8 tokens per GPU, grad_accum 1 on 8 GPUs
+        "batch_sequences", ("2025-12-31_BulkSmallTrackTransfer",), "data", {"batch_sequences": integer(0)},
+        {"medium": {}}, left_out=only_track_2("fixed-length sequences, more micro-steps as the batch grows"),
+        refusals=(Refusal(lambda a: a.batch_sequences and any(n % BLOCK_SIZE for n in packed_lengths(a)),
+                          lambda a: f"--batch_sequences={a.batch_sequences} cuts the batch stages into sequences of "
+                                    f"{'/'.join(dict.fromkeys(f'{float(n):g}' for n in packed_lengths(a)))} tokens, not whole "
+                                    f"{BLOCK_SIZE}-token blocks; pass a count that splits every stage into them"),
+                  Refusal(lambda a: a.batch_sequences and a.seq_len != max(packed_lengths(a)),
+                          lambda a: f"--seq_len={a.seq_len} is not the longest packed sequence of --batch_sequences="
+                                    f"{a.batch_sequences} ({max(packed_lengths(a))} tokens: --batch_tokens="
+                                    f"{a.batch_tokens} / {a.batch_sequences}); pass --seq_len="
+                                    f"{max(packed_lengths(a))}, or --batch_sequences=0 for fixed-length sequences"))),
     Technique(  # sequences start at a document; documents are cut at the record's max_seq_len
         "doc_align", ("2025-07-12_BosAlign", "2025-09-03_FA3"), "data",
         {"bos_align": ANY_BOOL, "doc_len_cap": integer(0)},
@@ -2538,7 +2614,8 @@ def check_batch_schedule(args: Hyperparameters) -> None:
         raise UsageError(f"{flag} has {len(fracs)} stages but --num_iterations={args.num_iterations} has fewer steps; "
                          "every stage needs at least one step: pass fewer stages or more steps")
     unit = Fraction(args.seq_len, args.batch_tokens)  # the smallest stage: one sequence
-    for frac in fracs:
+    fixed_length = [] if args.batch_sequences else fracs  # packed sequences' lengths: the batch_sequences technique
+    for frac in fixed_length:
         if frac % unit:
             raise UsageError(f"{flag}: stage {frac} of --batch_tokens={args.batch_tokens} is "
                              f"{float(args.batch_tokens * frac):g} tokens, not whole sequences of --seq_len="
@@ -2583,7 +2660,7 @@ def check_compatible(path: Path, meta: dict, args: Hyperparameters) -> None:
     steps left to train. Any world size can continue any other's checkpoint."""
     for names, what in ((MODEL_SHAPE_FIELDS, "model"), (OPTIMIZER_STRUCTURE_FIELDS, "optimizer")):
         for name in names:
-            saved = meta["hyperparameters"].get(name, "(not recorded)")
+            saved = meta["hyperparameters"].get(name, getattr(Hyperparameters, name))  # unrecorded: its default then
             if saved != getattr(args, name):
                 raise UsageError(f"checkpoint {path} has {name}={saved} but this run has {name}={getattr(args, name)}; "
                                  f"pass the same {what} flags to resume it")
@@ -2895,8 +2972,8 @@ def set_up(args: Hyperparameters, rt: Runtime, folder: RunFolder, log: RunLog, s
     opt = build_optimizers(model, args, rt.rank, rt.world_size, rt.grad_sync_from_hooks, rt.compile_newton_schulz)
     log.write(bucket_summary(opt.sync.buckets, rt.world_size), echo=False)  # the header's last line
     stream = TokenStream(train_files, args.vocab_size, cycle=args.train_cycle, read_ahead=True)
-    loader = DistributedTokenLoader(stream, args.seq_len, rt.rank, rt.world_size, args.bos_align, args.doc_len_cap,
-                                    rt.device)
+    loader = DistributedTokenLoader(stream, rt.rank, rt.world_size, args.bos_align, args.doc_len_cap, rt.device,
+                                    step_in_one_shard=args.batch_sequences > 0)
     record = {"run_id": folder.run_id, "hyperparameters": dataclasses.asdict(args), "runtime": rt.resolved(),
               "source_sha256": sources_sha256(sources)}  # the sources the log embeds
     checkpoints = Checkpoints(folder, args.checkpoint_keep, rt, log, record)
@@ -2914,7 +2991,8 @@ def warm_up(run: Run) -> None:
     live = training_state(run.model, run.opt, run.stream, 0)
     saved = {name: local_part(x).clone() for name, x in live.tensors.items()}
     with run.energy.measuring("warmup"):
-        for step in progress_bar(range(run.args.warmup_steps), "compile and warm-up", run.rt.is_master):
+        for step in progress_bar(warm_up_steps(run.args.warmup_steps, run.batches), "compile and warm-up",
+                                 run.rt.is_master):
             train_step(run, step)
         evaluate(run.step_model, run.val_seqs[:1], run.schedules.windows(0), run.rt)
         run.rt.synchronize()
@@ -2922,6 +3000,19 @@ def warm_up(run: Run) -> None:
         for name, x in live.tensors.items():
             local_part(x).copy_(saved[name])
     run.stream.load_state(live.loader)
+
+
+def warm_up_steps(warmup_steps: int, batches: BatchSchedule) -> list[int]:
+    """The first warmup_steps steps, then the first step of each stage whose sequence length none of them has
+    (--batch_sequences: one compile per length, before the clock starts, as M warms up its transitions L1722)."""
+    steps = list(range(warmup_steps))
+    lengths = {batches.seq_len(step) for step in steps}
+    for stage in range(len(batches.stage_tokens)):
+        first = batches.first_step(stage)
+        if batches.seq_len(first) not in lengths:
+            steps.append(first)
+            lengths.add(batches.seq_len(first))
+    return steps
 
 
 def resume(run: Run, checkpoint: Path | None) -> int:
@@ -2958,7 +3049,7 @@ def train_step(run: Run, step: int) -> Tensor:
     args, windows, mtp = run.args, run.schedules.windows(step), run.schedules.mtp_weights(step)
     accum = run.batches.accum(step)
     losses = []
-    for i, (x, y) in enumerate(run.loader.next_batch(accum)):
+    for i, (x, y) in enumerate(run.loader.next_batch(accum, run.batches.seq_len(step))):
         run.opt.sync.arm(i == accum - 1)
         loss = run.step_model(x, y, windows, *mtp)
         loss.backward()
@@ -3097,7 +3188,7 @@ def log_train_step(run: Run, step: int, start_step: int, loss: Tensor, clock: Cl
     if run.metrics.file is None:  # a rank that writes no metrics (not rank 0) has nothing more to count
         return
     step_ms, tokens = ms - results.last_ms, run.batches.tokens(step - 1)
-    flops = run.model.flops_per_token(attention_windows(step - 1, args), args.seq_len) * tokens
+    flops = run.model.flops_per_token(attention_windows(step - 1, args), run.batches.seq_len(step - 1)) * tokens
     results.flops, results.last_ms = results.flops + flops, ms
     seconds = max(step_ms, 1e-6) / 1000
     tflops, peak = flops / seconds / 1e12, run.peak_tflops
@@ -3194,8 +3285,9 @@ def write_log_header(log: RunLog, args: Hyperparameters, rt: Runtime, run_id: st
     the first step line. Returns the sources, read once: the checkpoints' source hash is of what the log holds."""
     sources = trainer_sources(Path(__file__))
     accum = "/".join(map(str, batches.stage_accum))  # one number per batch stage
+    lengths = {"batch_stage_seq_len": "/".join(map(str, batches.stage_seq_len))} if args.batch_sequences else {}
     write_header(log, sources, dataclasses.asdict(args),
-                 {"grad_accum_steps": accum, "batch_stage_tokens": "/".join(map(str, batches.stage_tokens))},
+                 {"grad_accum_steps": accum, "batch_stage_tokens": "/".join(map(str, batches.stage_tokens)), **lengths},
                  environment_lines(rt) if rt.is_master else [])
     for line in [f"run {run_id}: preset {args.preset}, {rt.world_size} rank(s) x {accum} micro-step(s), "
                  f"{device_name(rt)}, attention {rt.attention}, fp8 head {rt.fp8_head}, compile {rt.compile}",
@@ -3209,9 +3301,8 @@ def out_of_memory(e: BaseException, args: Hyperparameters, rt: Runtime) -> Usage
     """The one line for a device that cannot hold the run: how much it has, and the micro-batch that halves what a
     micro-step holds while the batch keeps its size (more micro-steps), or what else to try."""
     total = f"{torch.cuda.get_device_properties(rt.device).total_memory / 2**30:.1f} GiB" if rt.is_cuda else "memory"
-    halves = [n for n in (args.seq_len // 2, args.seq_len // 4) if n >= BLOCK_SIZE and n % BLOCK_SIZE == 0]
-    fits = next((n for n in halves if not sequence_problem(dataclasses.replace(args, seq_len=n), rt.world_size)), None)
-    advice = (f"pass --seq_len={fits} (the same batch in twice the micro-steps)" if fits else
+    fits, times = smaller_micro_batch(args, rt.world_size)
+    advice = (f"pass {fits} (the same batch in {times} the micro-steps)" if fits else
               "pass a smaller --seq_len that splits every batch stage, or run on more GPUs")
     reason = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
     return UsageError(f"the {args.preset} preset's {args.n_layer}-layer model does not fit this device's {total} at "
@@ -3219,13 +3310,20 @@ def out_of_memory(e: BaseException, args: Hyperparameters, rt: Runtime) -> Usage
                       f"{args.val_seq_len} tokens at once, lower it too if it runs out there")
 
 
-def sequence_problem(args: Hyperparameters, world_size: int) -> str:
-    """Why batch_schedule refuses args on world_size ranks ('' if it does not)."""
-    try:
-        batch_schedule(args, world_size)
-    except UsageError as e:
-        return str(e)
-    return ""
+def smaller_micro_batch(args: Hyperparameters, world_size: int) -> tuple[str, str]:
+    """The flags that halve (else quarter) a micro-step's sequence while the batch keeps its size, and how many
+    times the micro-steps that is (('', '') if none splits every stage): a shorter --seq_len, with
+    --batch_sequences as many times the packed sequences."""
+    for k, times in ((2, "twice"), (4, "four times")):
+        smaller = dataclasses.replace(args, seq_len=args.seq_len // k, batch_sequences=args.batch_sequences * k)
+        try:
+            validate_args(smaller)
+            batch_schedule(smaller, world_size)
+        except UsageError:
+            continue
+        sequences = f"--batch_sequences={smaller.batch_sequences} " if args.batch_sequences else ""
+        return f"{sequences}--seq_len={smaller.seq_len}", times
+    return "", ""
 
 
 def train(argv: list[str], stop: StopSignal) -> int:

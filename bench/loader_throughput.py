@@ -40,10 +40,10 @@ def measure(tokens: int, steps: int, seq_len: int, accum: int) -> tuple[int, flo
         path = Path(tmp) / "bench_train_000001.bin"
         shardio.write_shard(path, synthetic_documents(tokens))
         stream = T.TokenStream([path], 50257, cycle=True)
-        loader = T.DistributedTokenLoader(stream, seq_len, 0, 1, False, 0, torch.device("cpu"))
+        loader = T.DistributedTokenLoader(stream, 0, 1, False, 0, torch.device("cpu"))
         start, loaded = time.perf_counter(), 0
         for _ in range(steps):
-            loaded += sum(x.numel() for x, _ in loader.next_batch(accum))
+            loaded += sum(x.numel() for x, _ in loader.next_batch(accum, seq_len))
         return loaded, time.perf_counter() - start
 
 

@@ -5,7 +5,8 @@
     python -m bench.memory_estimate --recipes=reference -- --seq_len=24576   # train_gpt.py flags after --
 
 What it measures. train_gpt.py's own model, optimizers and step, at the real shapes of --preset=speedrun
-(training: seq_len tokens per micro-step; validation: one val_seq_len sequence), on fake tensors
+(training: seq_len tokens per micro-step, or with --batch_sequences the longest stage's packed sequence;
+validation: one val_seq_len sequence), on fake tensors
 (torch's FakeTensorMode: shapes, dtypes and storage sharing, no memory and no kernels). Every storage
 that is alive is counted once (views share their base's storage) and the peak of the sum is kept:
 - parameters and buffers (build_model, with the H100 kernel choices: FlexAttention, FP8 head,
@@ -15,7 +16,8 @@ that is alive is counted once (views share their base's storage) and the peak of
 - a training step as train_step runs it: micro-steps of forward + backward (two of them when the step has
   more, so that the gradients of the earlier ones are alive) and the optimizer step, collectives on a
   fake process group; the gradients are set to None after the step, as the trainer does;
-- warm_up(): its steps (the first stage's micro-steps) and its validation, while it holds a copy of the
+- warm_up(): its steps (the first stage's micro-steps; with --batch_sequences also each longer stage's, which
+  it compiles) and its validation, while it holds a copy of the
   whole training state ("warm-up" rows);
 - validation as evaluate() calls the model: model.eval(), torch.no_grad(), model(tokens, targets, window),
   on the parameters and optimizer state of a run in progress (no gradients).
@@ -50,6 +52,7 @@ import operator
 import sys
 import time
 import types
+import typing
 from collections import Counter
 
 import torch
@@ -361,11 +364,11 @@ class Scenario:
             if phase == "validation":
                 self.validation(meter)
             elif phase == "train":  # the largest stage's micro-steps
-                self.train_step(meter, opt, max(schedule.stage_accum))
+                self.train_step(meter, opt, *heaviest(schedule, range(len(schedule.stage_tokens))))
             else:  # warm_up(): the whole training state cloned and held through its steps and one validation
                 with meter.phase("warm-up state copy"), torch.no_grad():
                     held = {name: T.local_part(x).clone() for name, x in state.tensors.items()}
-                self.train_step(meter, opt, max(schedule.accum(step) for step in range(max(args.warmup_steps, 1))))
+                self.train_step(meter, opt, *heaviest(schedule, warmed_stages(args, schedule)))
                 self.validation(meter)
                 held.clear()  # warm_up copies it back and lets it go
             del state, opt
@@ -378,9 +381,9 @@ class Scenario:
         """The model's windows input at the schedule's last step (the largest pair)."""
         return torch.tensor(T.attention_windows(self.args.num_iterations, self.args), dtype=torch.int64)
 
-    def train_step(self, meter: LiveMemory, opt: T.Optimizers, accum: int) -> None:
-        """train_step's micro-steps (at most 2 run: from the second on, the gradients of the earlier ones are
-        alive, and every later one is the same) and its optimizer step."""
+    def train_step(self, meter: LiveMemory, opt: T.Optimizers, accum: int, seq_len: int) -> None:
+        """train_step's micro-steps of seq_len tokens (at most 2 run: from the second on, the gradients of the
+        earlier ones are alive, and every later one is the same) and its optimizer step."""
         args, model = self.args, self.model
         windows = self.final_windows()
         mtp = ([torch.tensor(T.mtp_loss_weights(0, args.num_iterations, args.mtp_tokens, args.mtp_frac))]
@@ -388,7 +391,7 @@ class Scenario:
         model.train()
         for i in range(min(accum, 2)):
             with meter.phase("inputs"):
-                seq = fake_tokens(args.seq_len).clone()
+                seq = fake_tokens(seq_len).clone()
             x, y = seq[:-1], seq[1:]
             opt.sync.arm(i == min(accum, 2) - 1)
             with meter.phase("forward"):
@@ -441,13 +444,33 @@ def fake_world(world_size: int):
         dist.destroy_process_group()
 
 
+def warmed_stages(args: T.Hyperparameters, schedule: T.BatchSchedule) -> list[int]:
+    """The stages warm_up() steps in (one step at least): with --batch_sequences, every sequence length."""
+    return sorted({schedule.stage(step) for step in T.warm_up_steps(max(args.warmup_steps, 1), schedule)})
+
+
+def heaviest(schedule: T.BatchSchedule, stages: typing.Iterable[int]) -> tuple[int, int]:
+    """(micro-steps, sequence length) of the heaviest of these stages: the longest sequences, then the most
+    micro-steps (which keep the earlier micro-steps' gradients alive)."""
+    length, accum = max((schedule.stage_seq_len[i], schedule.stage_accum[i]) for i in stages)
+    return accum, length
+
+
 def micro_steps(args: T.Hyperparameters, world_size: int, phase: str) -> str:
+    """The micro-steps per step of each stage the phase runs (each distinct count once, in stage order)."""
     schedule = T.batch_schedule(args, world_size)
-    if phase == "train":
-        return "/".join(map(str, schedule.stage_accum))
-    if phase == "warm-up":
-        return str(max(schedule.accum(step) for step in range(max(args.warmup_steps, 1))))
-    return "-"
+    stages = {"train": range(len(schedule.stage_tokens)), "warm-up": warmed_stages(args, schedule)}.get(phase)
+    if stages is None:
+        return "-"
+    return "/".join(dict.fromkeys(str(schedule.stage_accum[i]) for i in stages))
+
+
+def sequences_line(args: T.Hyperparameters) -> str:
+    """The training sequences' length: seq_len, or --batch_sequences' packed length per stage."""
+    if not args.batch_sequences:
+        return f"seq_len {args.seq_len:,}"
+    lengths = dict.fromkeys(f"{n:,}" for n in T.batch_schedule(args, 1).stage_seq_len)
+    return f"{args.batch_sequences} packed sequences per step of {' / '.join(lengths)} tokens by stage"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -493,7 +516,7 @@ def main(argv: list[str] | None = None) -> int:
                 scenario = Scenario(a.preset, recipe, extra, mode)
                 args, rt = scenario.args, scenario.rt
                 print(f"{recipe}: {sum(p.numel() for p in scenario.model.parameters()) / 1e6:.1f}M parameters; "
-                      f"seq_len {args.seq_len:,}, val_seq_len {args.val_seq_len:,}; attention={rt.attention} "
+                      f"{sequences_line(args)}, val_seq_len {args.val_seq_len:,}; attention={rt.attention} "
                       f"fp8_head={rt.fp8_head} compile={rt.compile} chunked_loss={rt.chunked_loss}")
                 for world_size in gpus:
                     with fake_world(world_size):

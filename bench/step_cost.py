@@ -36,14 +36,15 @@ def time_variant(overrides: list[str], steps: int) -> tuple[float, float]:
     model = T.build_model(args, rt)
     opt = T.build_optimizers(model, args, 0, 1)
     stream = T.TokenStream(T.find_shards(args.train_files, "training"), args.vocab_size, cycle=True)
-    loader = T.DistributedTokenLoader(stream, args.seq_len, 0, 1, False, 0, rt.device)
-    accum = STEP_TOKENS // args.seq_len
+    loader = T.DistributedTokenLoader(stream, 0, 1, False, 0, rt.device, step_in_one_shard=args.batch_sequences > 0)
+    batches = T.batch_schedule(args, 1)  # one stage: the batch schedule is off
+    accum, seq_len = batches.accum(0), batches.seq_len(0)
     schedules = T.StepTensors(args, rt.device)
     forward_backward, optimizer = [], []
     for step in range(steps + 1):
         extra = schedules.mtp_weights(step)
         start = time.perf_counter()
-        for i, (x, y) in enumerate(loader.next_batch(accum)):
+        for i, (x, y) in enumerate(loader.next_batch(accum, seq_len)):
             opt.sync.arm(i == accum - 1)
             model(x, y, schedules.windows(step), *extra).backward()
         middle = time.perf_counter()

@@ -48,7 +48,7 @@ def test_help_lists_every_flag_in_its_group_with_its_default_and_exits_0(tmp_pat
     text = result.stdout
     flags = [line.split()[0] for line in text.splitlines() if line.startswith("  --")]
     assert [flag.split("=")[0] for flag in flags] == [f"--{f.name}" for f in dataclasses.fields(T.Hyperparameters)]
-    assert "  --seq_len=49152 [cpu: 1024, medium: 16384]  R: cut from 64K to 48K per GPU" in text  # default, presets, doc
+    assert "  --seq_len=49152 [cpu: 1024, medium: 65536]  R: cut from 64K to 48K per GPU" in text  # default, presets, doc
     assert "  --value_embeds=true  R: three value-embedding tables" in text and "  --scalar_adam_beta1=none" in text
     headers = [line for line in text.splitlines() if line.endswith(":") and not line.startswith(" ")]
     assert headers[:3] == ["general:", "data:", "batch: one flat sequence of seq_len tokens per rank per micro-step:"]
@@ -128,6 +128,7 @@ BAD_VALUES = {  # field: (a value just inside the valid range, values outside it
     # track 2's techniques (the medium preset)
     "value_embed_tables": ("1", ["0", "-3"]), "attention_free_layer": ("false", ["x"]), "short_window_cap": ("0", ["-1"]),
     "window_stages": ("3,7", ["0", "3,x", "-1,2"]),
+    "batch_sequences": ("0", ["-1", "x"]),
 }
 
 

@@ -1,5 +1,6 @@
 """Data section of train_gpt.py: shard validation, the token stream and the per-rank batch split."""
 import threading
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -9,6 +10,7 @@ import train_gpt as T
 from data import shardio
 
 VOCAB = 50257
+REPO_SAMPLE = Path(__file__).resolve().parent.parent / "data" / "sample" / "sotu_train_000001.bin"
 
 
 def write_shard(path, tokens, magic=None, version=None, count=None):
@@ -98,9 +100,9 @@ def test_rank_slices_are_disjoint_and_cover_the_global_batch(tmp_path, world_siz
     expected = global_layout(files, seq_len, world_size * accum * steps)
     per_rank = []
     for rank in range(world_size):
-        loader = T.DistributedTokenLoader(T.TokenStream(files, VOCAB, False), seq_len, rank, world_size,
+        loader = T.DistributedTokenLoader(T.TokenStream(files, VOCAB, False), rank, world_size,
                                           False, 0, torch.device("cpu"))
-        per_rank.append([loader.next_batch(accum) for _ in range(steps)])
+        per_rank.append([loader.next_batch(accum, seq_len) for _ in range(steps)])
     seen = []
     for step in range(steps):
         chunk_of = {}
@@ -121,9 +123,9 @@ def test_rank_slices_are_disjoint_and_cover_the_global_batch(tmp_path, world_siz
 
 def test_bos_alignment_starts_every_sequence_at_a_document(tmp_path):
     files = [write_shard(tmp_path / "s.bin", doc_tokens(20000, seed=3))]
-    loader = T.DistributedTokenLoader(T.TokenStream(files, VOCAB, False), 256, 1, 2, True, 0, torch.device("cpu"))
+    loader = T.DistributedTokenLoader(T.TokenStream(files, VOCAB, False), 1, 2, True, 0, torch.device("cpu"))
     for _ in range(5):
-        for x, _ in loader.next_batch(2):
+        for x, _ in loader.next_batch(2, 256):
             assert x[0].item() == T.EOT_TOKEN
 
 
@@ -259,3 +261,106 @@ def test_capped_packing_resumes_at_the_same_tokens_and_never_spans_shards(tmp_pa
     second = doc_tokens(4000, seed=2)
     first_of_second = capped_packing_reference(second, 1, 256, 48)[0]
     assert any(np.array_equal(e, first_of_second) for e in expected)  # shard b starts afresh at its first document
+
+
+# ----------------------------------------------------------------------------- the track-2 record's packed buffers
+
+class RecordBOSFinder:
+    """M L1245-1303 (BOSFinder), transcribed without its background index thread (quickload only delays the full
+    index; the first 4M tokens' starts are the same): the next world_size buffers of num_tokens_local + 1 tokens,
+    each from a document start, documents whole but cut at max_seq_len, the last one cut to fill."""
+
+    def __init__(self, tokens):
+        self.tokens, self.size = tokens, len(tokens)
+        self.bos_idx = np.flatnonzero(np.asarray(tokens) == T.EOT_TOKEN)
+        self.i = 0
+
+    def next_batch(self, num_tokens_local, max_seq_len, world_size):
+        n = len(self.bos_idx)
+        starts = [[] for _ in range(world_size)]
+        ends = [[] for _ in range(world_size)]
+        idx = self.i
+        for r in range(world_size):
+            cur_len = 0
+            while cur_len <= num_tokens_local:
+                if idx >= n:
+                    raise StopIteration("Insufficient BOS ahead; hit tail of shard.")
+                cur = self.bos_idx[idx]
+                starts[r].append(cur)
+                end = min(self.bos_idx[idx + 1] if idx + 1 < n else self.size,
+                          cur + max_seq_len,
+                          cur + num_tokens_local - cur_len + 1)
+                ends[r].append(end)
+                cur_len += end - cur
+                idx += 1
+            assert cur_len == num_tokens_local + 1
+        self.i = idx
+        return starts, ends
+
+
+def record_steps(files, batch_sizes, world_size, max_seq_len):
+    """M's distributed_data_generator (L1330-1403) as its training loop calls it: grad_accum = 8 // world_size
+    calls per step, each giving rank r its buffer r; a shard that cannot give a call's buffers is left for the
+    next one (StopIteration). Each step's buffers in the order [call k, rank r] -> k * world_size + r."""
+    grad_accum = 8 // world_size
+    shards = iter(files)
+    tokens = T.load_shard(next(shards), VOCAB)
+    finder = RecordBOSFinder(tokens)
+    for batch in batch_sizes:
+        num_tokens_local = batch // grad_accum // world_size
+        buffers = []
+        for _ in range(grad_accum):
+            while True:
+                try:
+                    starts, ends = finder.next_batch(num_tokens_local, max_seq_len, world_size)
+                    break
+                except StopIteration:
+                    tokens = T.load_shard(next(shards), VOCAB)
+                    finder = RecordBOSFinder(tokens)
+            for r in range(world_size):
+                buffers.append(np.concatenate([tokens[i:j] for i, j in zip(starts[r], ends[r])]))
+        yield buffers
+
+
+def packed_steps(files, batch_sizes, world_size, doc_cap, rank):
+    """This trainer's --batch_sequences=8 steps on one rank: [micro-step k] -> inputs and the last target."""
+    loader = T.DistributedTokenLoader(T.TokenStream(files, VOCAB, False), rank, world_size, True, doc_cap,
+                                      torch.device("cpu"), step_in_one_shard=True)
+    for batch in batch_sizes:
+        yield [torch.cat([x, y[-1:]]).numpy() for x, y in loader.next_batch(8 // world_size, batch // 8)]
+
+
+def check_packed_against_record(files, batch_sizes, world_size, doc_cap, same_shard_steps):
+    """Every rank's buffers at every step are the 8-GPU record's (sequence j = k * W + r is its buffer j), and
+    the record at this world size gives the same ones wherever a step lies in one shard (the first
+    same_shard_steps): the layout does not depend on the world size."""
+    on8 = list(record_steps(files, batch_sizes, 8, doc_cap))
+    here = list(record_steps(files, batch_sizes, world_size, doc_cap))
+    ranks = [list(packed_steps(files, batch_sizes, world_size, doc_cap, r)) for r in range(world_size)]
+    for step, batch in enumerate(batch_sizes):
+        assert [len(b) for b in on8[step]] == [batch // 8 + 1] * 8
+        for r in range(world_size):
+            for k, buffer in enumerate(ranks[r][step]):
+                np.testing.assert_array_equal(buffer, on8[step][k * world_size + r], err_msg=f"step {step} rank {r}")
+                if step < same_shard_steps:
+                    np.testing.assert_array_equal(buffer, here[step][k * world_size + r])
+    moved = any(not np.array_equal(a, b) for s, t in zip(on8, here) for a, b in zip(s, t))
+    assert moved == (world_size != 8)  # the record's own layout moves with the world size at a shard's end
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4, 8])
+def test_packed_steps_are_the_records_buffers_on_short_documents(tmp_path, world_size):
+    """Short synthetic documents (mean 40 tokens, cut at 64): many whole documents per buffer, cut ones, and
+    shard ends crossed; the stages' 128 to 512-token buffers as the medium preset's 16K to 64K."""
+    files = [write_shard(tmp_path / f"s{i}.bin", doc_tokens(9000, seed=10 + i)) for i in range(8)]
+    batch_sizes = [8 * 128 * n for n in (1, 2, 3, 4, 4, 4, 4, 4)]
+    check_packed_against_record(files, batch_sizes, world_size, doc_cap=64, same_shard_steps=3)
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4, 8])
+def test_packed_steps_are_the_records_buffers_on_the_sample_shard_at_the_medium_shapes(world_size):
+    """The bundled real-format shard (185 documents of ~7.8K tokens), read three times over as three shards, at
+    the medium preset's own stages (131,072 to 524,288 tokens) and document cap (4,096)."""
+    files = [REPO_SAMPLE] * 3
+    batch_sizes = [131072, 262144, 393216, 524288]
+    check_packed_against_record(files, batch_sizes, world_size, doc_cap=4096, same_shard_steps=2)

@@ -5,6 +5,7 @@ prediction over the first quarter), its batch on 1 to 8 GPUs, the joint forward 
 traced at its real model shape, a tiny run on CPU through every medium-only path, and its one-line refusals."""
 import dataclasses
 import json
+from pathlib import Path
 
 
 import pytest
@@ -96,18 +97,72 @@ def test_multi_token_prediction_runs_over_the_first_quarter_then_the_next_token_
     assert T.mtp_loss_weights(2400, 4800, 3, 1.0) == T.mtp_loss_weights(600, 4800, 3, 0.25)  # the same phases, sooner
 
 
-@pytest.mark.parametrize("world_size, micro_steps", [(1, (8, 16, 24, 32)), (2, (4, 8, 12, 16)), (4, (2, 4, 6, 8)),
-                                                     (8, (1, 2, 3, 4))])
-def test_the_medium_batch_splits_on_1_2_4_and_8_gpus(world_size, micro_steps):
-    schedule = T.batch_schedule(medium(), world_size)
-    assert schedule.stage_tokens[:4] == (131072, 262144, 393216, 524288) and schedule.stage_accum[:4] == micro_steps
+@pytest.mark.parametrize("world_size", [1, 2, 4, 8])
+def test_the_medium_step_is_the_records_eight_packed_buffers_on_1_2_4_and_8_gpus(world_size):
+    """M L1351, L1718: one buffer of stage/8 tokens per GPU on 8 GPUs, grad_accum 8 / W on W; the sequence length
+    changes with the stage (16,384 to 65,536), the number of sequences does not."""
+    args = medium()
+    assert (args.batch_sequences, args.seq_len) == (8, 65536)
+    schedule = T.batch_schedule(args, world_size)
+    assert schedule.stage_tokens == (131072, 262144, 393216) + (524288,) * 9
+    assert schedule.stage_seq_len == (16384, 32768, 49152) + (65536,) * 9
+    assert schedule.stage_accum == (8 // world_size,) * 12
+    for stage in range(12):
+        step = schedule.first_step(stage)
+        assert schedule.accum(step) * world_size * schedule.seq_len(step) == schedule.tokens(step)
 
 
-def test_a_world_size_that_cannot_split_the_medium_batch_is_refused_in_one_line():
+@pytest.mark.parametrize("world_size", [3, 5, 6, 16])
+def test_a_world_size_that_cannot_split_the_medium_batch_is_refused_in_one_line(world_size):
     with pytest.raises(T.UsageError) as e:
-        T.batch_schedule(medium(), 3)
-    assert "world size 3 cannot split the --batch_schedule stages" in str(e.value)
+        T.batch_schedule(medium(), world_size)
+    assert f"world size {world_size} cannot split --batch_sequences=8 packed sequences" in str(e.value)
     assert "world sizes that work: [1, 2, 4, 8]" in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--seq_len=16384"], "--seq_len=16384 is not the longest packed sequence of --batch_sequences=8 (65536 tokens: "
+                          "--batch_tokens=524288 / 8); pass --seq_len=65536, or --batch_sequences=0"),
+    (["--batch_sequences=3"], "--batch_sequences=3 cuts the batch stages into sequences of 43690.7/87381.3/131072/"
+                              "174763 tokens, not whole 128-token blocks"),
+    (["--batch_sequences=2048"], "--batch_sequences=2048 cuts the batch stages into sequences of 64/128/192/256 "
+                                 "tokens, not whole 128-token blocks"),
+])
+def test_a_micro_batch_that_cannot_hold_the_records_buffer_is_refused_in_one_line(argv, message):
+    with pytest.raises(T.UsageError) as e:
+        medium(*argv)
+    assert str(e.value).startswith(message) and "\n" not in str(e.value)
+
+
+def test_the_medium_warm_up_compiles_every_stages_sequence_length():
+    """M warms up around its transitions (L1722): ours adds the first step of each stage with a new length."""
+    args = medium()
+    schedule = T.batch_schedule(args, 8)
+    steps = T.warm_up_steps(args.warmup_steps, schedule)
+    assert steps == list(range(args.warmup_steps)) + [schedule.first_step(i) for i in (1, 2, 3)]
+    assert sorted({schedule.seq_len(s) for s in steps}) == [16384, 32768, 49152, 65536]
+    speedrun = T.parse_args(["--preset=speedrun", "--recipe=v2"], False)  # one length: the warm-up as before
+    assert T.warm_up_steps(10, T.batch_schedule(speedrun, 8)) == list(range(10))
+
+
+def test_a_checkpoint_of_the_old_medium_preset_is_refused_in_one_line():
+    """A checkpoint.json written before --batch_sequences existed records none: it ran at the default (0, fixed
+    16K sequences), so the run cannot go on under today's preset; refused before anything is read further."""
+    fresh = medium()
+    old = {k: v for k, v in dataclasses.asdict(fresh).items() if k != "batch_sequences"}
+    old["seq_len"] = 16384  # the old preset's micro-batch
+    with pytest.raises(T.UsageError) as e:
+        T.resumed_hyperparameters(old, {}, fresh, Path("ckpt"))
+    assert str(e.value) == ("checkpoint ckpt is from an older train_gpt.py, whose medium preset ran with "
+                            "batch_sequences=0 (now 8): resume it with the train_gpt.py that wrote it (its sha256 is "
+                            "in checkpoint.json), or start a fresh run")
+    args, _ = T.resumed_hyperparameters({**old, "batch_sequences": 0}, {}, fresh, Path("ckpt"))
+    assert (args.batch_sequences, args.seq_len) == (0, 16384)  # one that records it continues as it began
+    speedrun = T.parse_args(["--preset=speedrun"], False)  # a flag at its default on its preset: no change
+    T.resumed_hyperparameters({k: v for k, v in dataclasses.asdict(speedrun).items() if k != "batch_sequences"}, {},
+                              speedrun, Path("ckpt"))
+    meta = {"hyperparameters": {k: v for k, v in dataclasses.asdict(fresh).items() if k != "vocab_size"}, "step": 1}
+    T.check_compatible(Path("ckpt"), meta, fresh)  # an unrecorded field compares as its default, not as a mismatch
 
 
 @pytest.mark.skipif(lifecycle.torch_release(torch.__version__) < (2, 11), reason="torch 2.10's AOTAutograd refuses fake "
@@ -163,22 +218,25 @@ class StepTensorsAt:
         return torch.tensor(T.mtp_loss_weights(self.step, args.num_iterations, args.mtp_tokens, args.mtp_frac))
 
 
-# A tiny medium: 10 layers (five encoder layers read the five tables), the record's 12 batch stages of 256-token
-# sequences (1 to 4 of them), its window stages, capped short window and early MTP, on the bundled sample.
+# A tiny medium: 10 layers (five encoder layers read the five tables), the record's 12 batch stages as two packed
+# sequences of 128 to 512 tokens, its window stages, capped short window and early MTP, on the bundled sample.
 TINY_MEDIUM = ["--preset=medium", "--train_files=data/sample/sotu_train_*.bin", "--val_files=data/sample/sotu_val_*.bin",
-               "--n_layer=10", "--model_dim=64", "--n_head=2", "--head_dim=32", "--seq_len=256", "--batch_tokens=1024",
+               "--n_layer=10", "--model_dim=64", "--n_head=2", "--head_dim=32", "--batch_sequences=2", "--seq_len=512",
+               "--batch_tokens=1024",
                "--val_seq_len=256", "--val_tokens=512", "--num_iterations=12", "--val_every=6", "--warmup_steps=0",
                "--log_train_loss=true", "--compile=off", "--attention=banded", "--dtype=fp32"]
 
 
 def test_a_tiny_medium_trains_on_cpu_through_every_medium_only_path(tmp_path):
     """Falling losses through the value tables, every layer's attention, the window stages with their cap, the
-    early MTP phases and the 12 batch stages (1 to 4 sequences per step); its checkpoint is refused under the
-    small preset in one line."""
+    early MTP phases and the 12 batch stages (two packed sequences of 128 to 512 tokens per step); its checkpoint
+    is refused under the small preset in one line, and as the old medium preset's (no batch_sequences recorded)
+    too, with nothing written."""
     one = run_main(TINY_MEDIUM + ["--run_id=m1", "--checkpoint_final=true"], tmp_path)
     assert one.returncode == 0, one.stderr[-2000:]
     summary = json.loads((tmp_path / "m1.json").read_text())
-    assert [s[1:] for s in summary["runtime"]["batch_stages"][:4]] == [[256, 1], [512, 2], [768, 3], [1024, 4]]
+    assert [s[1:] for s in summary["runtime"]["batch_stages"][:4]] == [[256, 2], [512, 2], [768, 2], [1024, 2]]
+    assert "(derived) batch_stage_seq_len = 128/256/384/512/512/512" in (tmp_path / "m1.txt").read_text()
     losses = train_losses((tmp_path / "m1.txt").read_text())
     assert sorted(losses) == list(range(1, 13)) and losses[12] < losses[1]
     assert summary["final_val_loss"] < summary["val_curve"][0][1]
@@ -186,6 +244,16 @@ def test_a_tiny_medium_trains_on_cpu_through_every_medium_only_path(tmp_path):
     assert small.returncode == 2 and small.stderr.count("\n") == 1
     assert "--preset=speedrun differs from checkpoint" in small.stderr and "a resumed run keeps its preset" in \
         small.stderr
+    meta_path = tmp_path / "m1" / "step_000012" / "checkpoint.json"
+    meta = json.loads(meta_path.read_text())
+    del meta["hyperparameters"]["batch_sequences"]  # as the train_gpt.py before it wrote it
+    meta_path.write_text(json.dumps(meta))
+    before = sorted(p for p in tmp_path.rglob("*"))
+    old = run_main(["--preset=medium", f"--resume={meta_path.parent}", "--run_id=old"], tmp_path)
+    assert old.returncode == 2 and old.stderr.count("\n") == 1, old.stderr
+    assert "is from an older train_gpt.py, whose medium preset ran with batch_sequences=0 (now 8): resume it with " \
+           "the train_gpt.py that wrote it" in old.stderr
+    assert sorted(p for p in tmp_path.rglob("*")) == before  # nothing written
 
 
 def test_a_device_too_small_for_the_micro_batch_is_one_line_saying_what_to_pass(tmp_path, monkeypatch):
@@ -194,11 +262,16 @@ def test_a_device_too_small_for_the_micro_batch_is_one_line_saying_what_to_pass(
     def out_of_memory(*a, **k):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 12.29 GiB")
     monkeypatch.setattr(T, "train_step", out_of_memory)
-    result = run_main(TINY_MEDIUM + ["--run_id=oom", "--warmup_steps=1"], tmp_path)
+    result = run_main(TINY_MEDIUM + ["--run_id=oom", "--warmup_steps=1", "--batch_tokens=2048", "--seq_len=1024"],
+                      tmp_path)
     assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
-    assert "the medium preset's 10-layer model does not fit this device's memory at --seq_len=256 (CUDA out of " \
-           "memory. Tried to allocate 12.29 GiB); pass --seq_len=128 (the same batch in twice the micro-steps)" \
-           in result.stderr
+    assert "the medium preset's 10-layer model does not fit this device's memory at --seq_len=1024 (CUDA out of " \
+           "memory. Tried to allocate 12.29 GiB); pass --batch_sequences=4 --seq_len=512 (the same batch in twice " \
+           "the micro-steps)" in result.stderr
+    plain = run_main(TINY_MEDIUM + ["--run_id=oom2", "--warmup_steps=1", "--batch_sequences=0", "--seq_len=256"],
+                     tmp_path)  # fixed-length sequences: a shorter --seq_len alone
+    assert "at --seq_len=256 (CUDA out of memory. Tried to allocate 12.29 GiB); pass --seq_len=128 (the same batch " \
+           "in twice the micro-steps)" in plain.stderr
 
 
 def test_the_medium_memory_estimate_runs_on_fake_tensors(capsys):
@@ -210,3 +283,19 @@ def test_the_medium_memory_estimate_runs_on_fake_tensors(capsys):
     assert "train_gpt.py --preset=medium" in done.out and "561.6M parameters" in done.out
     (row,) = [line for line in done.out.splitlines() if line.startswith("| reference | validation | 1 |")]
     assert 5 < float(row.split("|")[5]) < 79.6  # docs/presets.md: 11.4 GiB
+
+
+def test_the_memory_estimate_measures_the_longest_packed_sequence_in_training_and_warm_up(capsys, monkeypatch):
+    """--batch_sequences: the train step and the warm-up (which compiles every length) at the last stage's length,
+    the same micro-steps in every stage."""
+    from bench import memory_estimate as M
+    lengths = []
+    monkeypatch.setattr(M, "fake_tokens", lambda n, real=M.fake_tokens: lengths.append(n) or real(n))
+    tiny = ["--n_layer=2", "--model_dim=64", "--n_head=2", "--head_dim=32", "--value_embed_tables=1",
+            "--batch_tokens=1024", "--batch_sequences=2", "--seq_len=512", "--val_seq_len=512", "--val_tokens=512"]
+    assert M.main(["--preset=medium", "--recipes=reference", "--gpus=1,2", "--phases=train,warm-up", "--", *tiny]) == 0
+    out = capsys.readouterr().out
+    assert "2 packed sequences per step of 128 / 256 / 384 / 512 tokens by stage" in out
+    rows = [line.split(" | ")[1:4] for line in out.splitlines() if line.startswith("| reference |")]
+    assert rows == [["train step", "1", "2"], ["warm-up", "1", "2"], ["train step", "2", "1"], ["warm-up", "2", "1"]]
+    assert set(lengths) == {512}
