@@ -2335,8 +2335,9 @@ TECHNIQUES: tuple[Technique, ...] = (
         {"medium": {}}, left_out=only_track_2("fixed-length sequences, more micro-steps as the batch grows"),
         refusals=(Refusal(lambda a: a.batch_sequences and any(n % BLOCK_SIZE for n in packed_lengths(a)),
                           lambda a: f"--batch_sequences={a.batch_sequences} cuts the batch stages into sequences of "
-                                    f"{'/'.join(dict.fromkeys(f'{float(n):g}' for n in packed_lengths(a)))} tokens, not whole "
-                                    f"{BLOCK_SIZE}-token blocks; pass a count that splits every stage into them"),
+                                    f"{'/'.join(dict.fromkeys(f'{float(n):g}' for n in packed_lengths(a)))} "
+                                    f"tokens, not whole {BLOCK_SIZE}-token blocks; pass a count that splits every "
+                                    "stage into them"),
                   Refusal(lambda a: a.batch_sequences and a.seq_len != max(packed_lengths(a)),
                           lambda a: f"--seq_len={a.seq_len} is not the longest packed sequence of --batch_sequences="
                                     f"{a.batch_sequences} ({max(packed_lengths(a))} tokens: --batch_tokens="

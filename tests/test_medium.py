@@ -24,6 +24,7 @@ RECORD_2025_12_31 = dict(
     value_embed_tables=5,  # L1056-1060, L1152: tables 0-4 at layers 0-4 and 11-15
     attention_free_layer=False,  # README: "use all 16 attn layers"
     batch_tokens=524288, batch_schedule="1/4,1/2,3/4,1,1,1,1,1,1,1,1,1",  # L1617-1620: 131K, 262K, 393K, then 524K
+    batch_sequences=8, seq_len=65536,  # L1351, L1718: one packed buffer of batch/8 per GPU, the last stage's 64K
     num_iterations=4740, cooldown_frac=0.7, lr_final_frac=0.05,  # L1625-1628, get_lr: 2.0 -> 0.1
     val_every=250, val_tokens=10485760, val_seq_len=262144,  # L1632, L1615, L1623
     window_stages="3,7,11,13,15,17,19,21,23,23,23,23", short_window_cap=11,  # L1636-1638, get_ws
@@ -175,7 +176,8 @@ def test_the_medium_model_traces_forward_backward_and_validation_at_its_real_sha
     import torch.nn.attention.flex_attention as flex_module
     monkeypatch.setattr(flex_module, "_validate_device", lambda *_: None)  # no CPU backward needed: nothing runs
     seq = 1024
-    args = medium(f"--seq_len={seq}", f"--val_seq_len={2 * seq}", f"--val_tokens={2 * seq}", cuda=True)
+    args = medium(f"--seq_len={seq}", f"--batch_tokens={8 * seq}", f"--val_seq_len={2 * seq}",
+                  f"--val_tokens={2 * seq}", cuda=True)
     rt = T.Runtime(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"), dtype=torch.bfloat16,
                    **T.choose_kernels(args, "cuda", fp8_capable=True))
     assert rt.attention == "flex" and not rt.fp8_head and rt.compile == "model"
