@@ -2958,6 +2958,9 @@ def configure_inductor(args: Hyperparameters) -> None:
     """The record's compiler settings for a compiled model."""
     import torch._inductor.config as inductor_config
     inductor_config.coordinate_descent_tuning = args.coordinate_descent_tuning  # R: tunes each kernel's tiling
+    if args.yarn_max_window:  # M L34: room for a graph per YaRN state, training and validation, and more
+        import torch._dynamo.config as dynamo_config
+        dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, 64)
 
 
 # -----------------------------------------------------------------------------
@@ -3122,11 +3125,25 @@ def warm_up(run: Run) -> None:
         for step in progress_bar(range(run.args.warmup_steps), "compile and warm-up", run.rt.is_master):
             train_step(run, step)
         evaluate(run.step_model, run.val_seqs[:1], run.schedules.windows(0), run.rt)
+        warm_up_yarn(run)
         run.rt.synchronize()
     with torch.no_grad():
         for name, x in live.tensors.items():
             local_part(x).copy_(saved[name])
     run.stream.load_state(live.loader)
+
+
+def warm_up_yarn(run: Run) -> None:
+    """A compiled model's graphs for each YaRN state (its attention scale is a Python float, as M's): one training
+    step and one validation sequence at each change, as M warms up its transition steps, so the timed run does
+    not recompile; then the model back at step 0's state."""
+    if run.rt.compile != "model":
+        return
+    for step, _, _ in yarn_changes(run.args.num_iterations, run.args):
+        follow_yarn(run.model, step, run.args)
+        train_step(run, step)
+        evaluate(run.step_model, run.val_seqs[:1], run.schedules.windows(step), run.rt)
+    follow_yarn(run.model, 0, run.args)
 
 
 def resume(run: Run, checkpoint: Path | None) -> int:
@@ -3161,9 +3178,8 @@ def follow_yarn_logged(run: Run, step: int) -> None:
     """The step's YaRN state on the model (follow_yarn), and a log line where it changes."""
     changed = follow_yarn(run.model, step, run.args)
     if changed is not None:
-        recompile = "; the compiled model recompiles once for it" if run.rt.compile == "model" else ""
         run.log.write(f"yarn: from step {step}, {changed[0]} long-window changes applied: rotary rescaled, attention "
-                      f"scale {changed[1]:.7g}{recompile}")
+                      f"scale {changed[1]:.7g}")
 
 
 def train_step(run: Run, step: int) -> Tensor:
