@@ -363,3 +363,18 @@ def test_the_model_follows_yarn_in_place_and_a_fresh_model_at_a_step_rebuilds_th
     fresh = T.GPT(T.ModelConfig.of(args))
     assert T.follow_yarn(fresh, 3000, args) == (3, scale)
     assert all(torch.equal(a.attn.rotary.sin, b.attn.rotary.sin) for a, b in zip(model.blocks, fresh.blocks))
+
+
+def test_the_tools_run_a_checkpoint_at_its_steps_yarn_state_and_windows():
+    from pathlib import Path
+
+    from tools import loading
+    args = T.parse_args(["--preset=medium", "--compile=off", "--n_layer=2", "--model_dim=64", "--n_head=2",
+                         "--head_dim=32", "--value_embed_tables=1", "--seq_len=256", "--val_seq_len=256",
+                         "--val_tokens=256", "--batch_tokens=1024", "--dtype=fp32"], False)
+    state = T.GPT(T.ModelConfig.of(args)).state_dict()
+    for step, window, at in ((800, "step", 800), (300, "step", 300), (300, "final", 4740)):
+        loaded = loading.build(args, state, step, torch.device("cpu"), window, Path("ckpt"))
+        assert loaded.windows == T.attention_windows(at, args)
+        assert all(block.attn.scale == T.yarn_state(at, args)[1] for block in loaded.model.blocks), (step, window)
+    assert loaded.windows == (27, 11)
