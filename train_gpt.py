@@ -115,6 +115,20 @@ class Hyperparameters:
     window_final_tokens: int = flag(1728, "R: window grows linearly to next_multiple(1728 * step / 1770, 128) tokens")
     window_stages: str = flag("", "track 2, 2025-12-31_BulkSmallTrackTransfer: the long window in blocks at each of "
                                   "equal stages of training ('3,7,11,...,23'); empty: the linear growth above")
+    extension_steps: int = flag(0, "track 2, 2025-12-31_BulkSmallTrackTransfer: steps after the schedules' end (M "
+                                   "L1627: 40) at the final lr, batch and windows; every schedule runs on "
+                                   "num_iterations - extension_steps")
+    stage_lr_shares: str = flag("", "same record: each batch stage's share of the peak lrs (M get_lr / 2: "
+                                    "'0.5,0.76,0.865,1,...'), a stage from step k/n of the schedule on (strict, "
+                                    "M L1429-1436); empty: (stage tokens / batch_tokens) ** batch_lr_exponent")
+    muon_momentum_cooldown_steps: int = flag(0, "same record: Muon's momentum falls linearly back to "
+                                                "muon_momentum_start over the last N steps (M get_muon_momentum: 50)")
+    yarn_max_window: int = flag(0, "same record: YaRN (M Yarn.apply) rescales rotary and the attention scale at each "
+                                   "long-window stage change to at most this many blocks (13); 0: off")
+    final_window_blocks: int = flag(0, "same record: the long window of the last validation alone "
+                                       "(M ws_validate_post_yarn_ext: 27); 0: the schedule's")
+    token_exact_windows: bool = flag(False, "same record: FA3's window, key j seen by query q iff q - 128 * w <= j "
+                                            "<= q (M L982-984); False: whole blocks, floor(q/128) - floor(j/128) < w")
     sliding_window: bool = flag(True, "False: full causal attention within documents (ablation)")
     vocab_size: int = flag(50257, "GPT-2's BPE vocabulary (the head pads it to 50304, a multiple of 128)",
                                   group="model (R: 12 x 768, 6 heads of 128; GPT-2 vocabulary, head padded to 50304)")
@@ -250,6 +264,10 @@ PRESETS = {
         num_iterations=4740, cooldown_frac=0.7, lr_final_frac=0.05,  # M: 4700 + 40 steps; lr 2.0 -> 0.1 (L1420-1435)
         val_every=250,  # M L1632
         window_stages="3,7,11,13,15,17,19,21,23,23,23,23", short_window_cap=11,  # M L1636-1638, get_ws
+        extension_steps=40, muon_momentum_cooldown_steps=50,  # M L1625-1627 (4700 + 40), get_muon_momentum
+        stage_lr_shares="0.5,0.76,0.865,1,1,1,1,1,1,1,1,1",  # M get_lr's lr_max / 2.0 per batch stage (L1429-1436)
+        attn_scale=0.1, yarn_max_window=13,  # M L889 (Yarn.attn_scale), L1552-1553 (YaRN up to 13 blocks)
+        final_window_blocks=27, token_exact_windows=True,  # M L1646 (ws_validate_post_yarn_ext), L982-984 (FA3)
         bos_align=True, doc_len_cap=4096,  # M L1622: documents cut at 4,096 tokens
         muon_lr=0.03, polar_express=True, normuon=True, normuon_beta2=0.95,  # M L1486: NorMuon lr 0.015 x 2.0
         cautious_wd=True, muon_cautious_wd=1.2, adam_cautious_wd=0.005,  # M L1484-1486
@@ -360,6 +378,21 @@ def stage_fractions(text: str) -> list[Fraction] | None:
     return out if all(0 < f <= 1 for f in out) else None
 
 
+def lr_shares(text: str) -> list[float] | None:
+    """--stage_lr_shares as floats in (0, 1]; None if the text is not such a list."""
+    try:
+        out = [float(part) for part in text.split(",")]
+    except ValueError:
+        return None
+    return out if all(0 < f <= 1 for f in out) else None
+
+
+def scheduled_steps(args: Hyperparameters) -> int:
+    """The steps every schedule runs over (the lr cooldown, batch and window stages, MTP phases, the momentum
+    warm-up's clock); track 2's extension steps after them hold the schedules' final values."""
+    return args.num_iterations - args.extension_steps
+
+
 # -----------------------------------------------------------------------------
 # Attention windows: every layer's window at every step, and the masks that apply it
 #
@@ -375,12 +408,30 @@ def attention_windows(step: int, args: Hyperparameters) -> tuple[int, int]:
     record: the long window steps through --window_stages over equal stages of training, the short one capped."""
     if not args.sliding_window:
         return window_pair(max(args.seq_len, args.val_seq_len) // BLOCK_SIZE)
+    if args.final_window_blocks and step == args.num_iterations:  # track 2: the last validation's long window
+        return window_pair(args.final_window_blocks, args.short_window_cap)
     if args.window_stages:
         stages = window_stage_blocks(args.window_stages)
-        return window_pair(stages[min(len(stages) * step // args.num_iterations, len(stages) - 1)],
-                           args.short_window_cap)
+        return window_pair(stages[window_stage(step, len(stages), scheduled_steps(args))], args.short_window_cap)
     tokens = max(next_multiple(args.window_final_tokens * step / args.num_iterations, BLOCK_SIZE), BLOCK_SIZE)
     return window_pair(tokens // BLOCK_SIZE, args.short_window_cap)
+
+
+def window_stage(step: int, n_stages: int, scheduled: int) -> int:
+    """Which of n equal stages of the scheduled steps a step is in (M get_ws: int(n * step / 4700)); the last one
+    from the end of the schedule on."""
+    return min(n_stages * step // scheduled, n_stages - 1)
+
+
+def long_window_changes(args: Hyperparameters) -> list[tuple[int, int, int]]:
+    """(step, old, new) of every change of the staged long window during training, as YaRN sees them (the last
+    validation's final_window_blocks is no change of the schedule: M applies no YaRN there)."""
+    if not (args.sliding_window and args.window_stages):
+        return []
+    stages, scheduled = window_stage_blocks(args.window_stages), scheduled_steps(args)
+    firsts = [-(-k * scheduled // len(stages)) for k in range(len(stages))]  # the first step of each stage
+    return [(first, old, new) for first, old, new in zip(firsts[1:], stages, stages[1:])
+            if old != new and first < args.num_iterations]
 
 
 def window_pair(long_blocks: int, short_cap: int = 0) -> tuple[int, int]:
@@ -402,8 +453,10 @@ def window_pairs(args: Hyperparameters) -> set[tuple[int, int]] | None:
     step by step (a superset where blocks are skipped); None when there are more than MAX_EAGER_WINDOWS."""
     if not args.sliding_window:
         return {attention_windows(0, args)}
+    final = {attention_windows(args.num_iterations, args)}  # final_window_blocks' pair, where it is set
     if args.window_stages:
-        return {window_pair(blocks, args.short_window_cap) for blocks in window_stage_blocks(args.window_stages)}
+        stages = window_stage_blocks(args.window_stages)
+        return final | {window_pair(blocks, args.short_window_cap) for blocks in stages}
     final_blocks = max(next_multiple(args.window_final_tokens, BLOCK_SIZE) // BLOCK_SIZE, 1)  # the growth's end
     if final_blocks <= MAX_EAGER_WINDOWS:
         return {window_pair(blocks, args.short_window_cap) for blocks in range(1, final_blocks + 1)}
@@ -433,16 +486,21 @@ def document_ids(tokens: Tensor) -> Tensor:
     return (tokens == EOT_TOKEN).cumsum(0)
 
 
-def attention_allowed(docs: Tensor, q_idx: Tensor, kv_idx: Tensor, window_blocks: Tensor) -> Tensor:
-    """The one mask rule: causal, same document, and within window_blocks 128-token blocks."""
-    in_window = q_idx // BLOCK_SIZE - kv_idx // BLOCK_SIZE < window_blocks
+def attention_allowed(docs: Tensor, q_idx: Tensor, kv_idx: Tensor, window_blocks: Tensor,
+                      exact: bool = False) -> Tensor:
+    """The one mask rule: causal, same document, and within window_blocks 128-token blocks: whole blocks (the query's
+    and the w-1 before it), or token-exact (track 2's FA3 window: the 128 * w keys before the query and itself)."""
+    if exact:
+        in_window = q_idx - kv_idx <= window_blocks * BLOCK_SIZE
+    else:
+        in_window = q_idx // BLOCK_SIZE - kv_idx // BLOCK_SIZE < window_blocks
     return (kv_idx <= q_idx) & (docs[q_idx] == docs[kv_idx]) & in_window
 
 
-def sliding_window_mask(tokens: Tensor, window_blocks: Tensor) -> Tensor:
+def sliding_window_mask(tokens: Tensor, window_blocks: Tensor, exact: bool = False) -> Tensor:
     """Dense (T, T) boolean mask of attention_allowed: O(T^2), kept as the tests' oracle only."""
     idx = torch.arange(tokens.numel(), device=tokens.device)
-    return attention_allowed(document_ids(tokens), idx[:, None], idx[None, :], window_blocks)
+    return attention_allowed(document_ids(tokens), idx[:, None], idx[None, :], window_blocks, exact)
 
 
 BAND_CHUNK_KEYS = 64 * 1024  # key slots per SDPA call: bounds the per-call mask and gradient buffers
@@ -459,14 +517,16 @@ class BandedMask:
     chunks: list[tuple[int, int, Tensor]]
 
 
-def banded_window_mask(tokens: Tensor, window_blocks: Tensor, chunk_keys: int = BAND_CHUNK_KEYS) -> BandedMask:
+def banded_window_mask(tokens: Tensor, window_blocks: Tensor, chunk_keys: int = BAND_CHUNK_KEYS,
+                       exact: bool = False) -> BandedMask:
     """The band of each query block, masked by the same rule as the dense and Flex masks.
 
-    The window is read as an int here (a host sync), once per mask: the band's width is a shape.
+    The window is read as an int here (a host sync), once per mask: the band's width is a shape. A token-exact
+    window of w blocks reaches one block further back (into block i - w), so its band is w + 1 blocks.
     """
     docs = document_ids(tokens)
     n_blocks = tokens.numel() // BLOCK_SIZE
-    band = max(1, min(int(window_blocks), n_blocks))  # a wider window sees the whole sequence anyway
+    band = max(1, min(int(window_blocks) + exact, n_blocks))  # a wider window sees the whole sequence anyway
     per_chunk = max(1, chunk_keys // (band * BLOCK_SIZE))
     offsets = torch.arange(band * BLOCK_SIZE, device=tokens.device)
     chunks = []
@@ -475,7 +535,7 @@ def banded_window_mask(tokens: Tensor, window_blocks: Tensor, chunk_keys: int = 
         q_idx = torch.arange(lo * BLOCK_SIZE, hi * BLOCK_SIZE, device=tokens.device).view(hi - lo, BLOCK_SIZE, 1)
         first_key = (torch.arange(lo, hi, device=tokens.device) - (band - 1)) * BLOCK_SIZE
         kv_idx = (first_key.view(-1, 1) + offsets).view(hi - lo, 1, -1)
-        allowed = attention_allowed(docs, q_idx, kv_idx.clamp_min(0), window_blocks) & (kv_idx >= 0)
+        allowed = attention_allowed(docs, q_idx, kv_idx.clamp_min(0), window_blocks, exact) & (kv_idx >= 0)
         chunks.append((lo, hi, allowed[:, None]))
     return BandedMask(band_blocks=band, chunks=chunks)
 
@@ -506,10 +566,11 @@ def banded_attention(q: Tensor, k: Tensor, v: Tensor, mask: BandedMask, scale: f
     return torch.cat(out, dim=1) if len(out) > 1 else out[0]
 
 
-def sliding_window_block_mask(tokens: Tensor, window_blocks: Tensor):
+def sliding_window_block_mask(tokens: Tensor, window_blocks: Tensor, exact: bool = False):
     """FlexAttention BlockMask of attention_allowed, built from per-block document ranges.
 
-    A block pair is full when every pair in it is allowed, partial (mask_mod decides) when some are.
+    A block pair is full when every pair in it is allowed, partial (mask_mod decides) when some are. A token-exact
+    window's block w back is partial (its keys from the query's offset in the block on), the nearer ones can be full.
     """
     from torch.nn.attention.flex_attention import BlockMask
 
@@ -518,11 +579,12 @@ def sliding_window_block_mask(tokens: Tensor, window_blocks: Tensor):
     doc_lo, doc_hi = docs.view(n_blocks, BLOCK_SIZE)[:, 0], docs.view(n_blocks, BLOCK_SIZE)[:, -1]
     q_blk = torch.arange(n_blocks, device=tokens.device)[:, None]
     kv_blk = q_blk.T
-    in_window = q_blk - kv_blk < window_blocks
+    whole_in_window = q_blk - kv_blk < window_blocks  # every key of the block pair within the window
+    in_window = q_blk - kv_blk <= window_blocks if exact else whole_in_window  # some key of it
     any_allowed = (kv_blk <= q_blk) & (doc_lo[:, None] <= doc_hi[None, :]) & (doc_lo[None, :] <= doc_hi[:, None])
     all_allowed = ((kv_blk < q_blk) & (doc_lo[:, None] == doc_hi[:, None]) & (doc_lo[None, :] == doc_hi[None, :])
                    & (doc_lo[:, None] == doc_lo[None, :]))
-    full = all_allowed & in_window
+    full = all_allowed & whole_in_window
     partial = any_allowed & in_window & ~full
 
     def kv_order(blocks: Tensor) -> tuple[Tensor, Tensor]:
@@ -531,7 +593,7 @@ def sliding_window_block_mask(tokens: Tensor, window_blocks: Tensor):
         return counts[None, None].contiguous(), order[None, None].contiguous()
 
     def mask_mod(b, h, q_idx, kv_idx):
-        return attention_allowed(docs, q_idx, kv_idx, window_blocks)
+        return attention_allowed(docs, q_idx, kv_idx, window_blocks, exact)
 
     partial_counts, partial_idx = kv_order(partial)
     full_counts, full_idx = kv_order(full)
@@ -539,8 +601,10 @@ def sliding_window_block_mask(tokens: Tensor, window_blocks: Tensor):
                                     BLOCK_SIZE=BLOCK_SIZE, mask_mod=mask_mod)
 
 
-def first_key_in_window(query: int, window_blocks: int) -> int:
+def first_key_in_window(query: int, window_blocks: int, exact: bool = False) -> int:
     """The first position a query at `query` may attend to under a window of window_blocks blocks."""
+    if exact:
+        return max(0, query - window_blocks * BLOCK_SIZE)
     return max(0, (query // BLOCK_SIZE - window_blocks + 1) * BLOCK_SIZE)
 
 
@@ -735,16 +799,61 @@ class CastedLinear(nn.Linear):
         return F.linear(x, self.weight.type_as(x))
 
 
+def rotary_frequencies(head_dim: int) -> Tensor:
+    """Angular frequency of each rotated pair: 1 down to 1/1024 over the first quarter of the head, zeros over the
+    second (those dims are not rotated)."""
+    n = head_dim // 4
+    return torch.cat([(1 / 1024) ** torch.linspace(0, 1, n), torch.zeros(n)])
+
+
+YARN_RAMP = (1, 32)  # M Yarn.apply's alpha, beta: a frequency turning < 1 time in the old window is interpolated
+
+
+def yarn_state(step: int, args: Hyperparameters) -> tuple[Tensor, float]:
+    """Track 2's YaRN (M Yarn.apply, L891-900) at a step: the rotary frequencies and attention scale after every
+    long-window change up to the step to at most yarn_max_window blocks (M L1552-1553), from the base
+    frequencies and attn_scale. A pure function of the step: a resumed run or a tool rebuilds it from its step."""
+    freqs, scale = rotary_frequencies(args.head_dim), args.attn_scale
+    for _, old, new in yarn_changes(step, args):
+        freqs, scale = yarn_rescaled(freqs, scale, old, new)
+    return freqs, scale
+
+
+def yarn_changes(step: int, args: Hyperparameters) -> list[tuple[int, int, int]]:
+    """(step, old, new) of the long-window changes YaRN has applied by a step: those to at most yarn_max_window."""
+    if not args.yarn_max_window:
+        return []
+    return [(first, old, new) for first, old, new in long_window_changes(args)
+            if first <= step and new <= args.yarn_max_window]
+
+
+def yarn_rescaled(freqs: Tensor, scale: float, old: int, new: int) -> tuple[Tensor, float]:
+    """One YaRN change from a window of old blocks to new: a frequency that turns fewer than alpha times in the old
+    window slows by old/new (interpolation), one that turns more than beta times keeps its speed, linear in
+    between; the attention scale grows by 1 + 0.2 ln(new/old) (M L891-900, in its float32 operation order)."""
+    alpha, beta = YARN_RAMP
+    rotations = BLOCK_SIZE * old * freqs / (2 * torch.pi)
+    scaling_factor = old / new
+    interpolation = torch.clamp((rotations - alpha) / (beta - alpha), 0, 1)
+    return freqs * (scaling_factor + interpolation * (1 - scaling_factor)), scale * (0.2 * math.log(new / old) + 1)
+
+
 class Rotary(nn.Module):
     """Rotary embedding on half the head dimension; the other half's frequencies are zero (not rotated)."""
 
     def __init__(self, head_dim: int, max_seq_len: int):
         super().__init__()
-        n = head_dim // 4
-        freqs = torch.cat([(1 / 1024) ** torch.linspace(0, 1, n), torch.zeros(n)])
-        theta = torch.outer(torch.arange(max_seq_len, dtype=torch.float32), freqs)
+        theta = torch.outer(torch.arange(max_seq_len, dtype=torch.float32), rotary_frequencies(head_dim))
         self.register_buffer("cos", theta.cos(), persistent=False)
         self.register_buffer("sin", theta.sin(), persistent=False)
+
+    @torch.no_grad()
+    def set_frequencies(self, freqs: Tensor) -> None:
+        """Rebuilds the tables in place for new frequencies (YaRN, yarn_state): same buffers, same shapes."""
+        theta = torch.outer(torch.arange(self.cos.size(0), dtype=torch.float32, device=self.cos.device),
+                            freqs.to(self.cos.device))
+        self.cos.copy_(theta.cos())
+        self.sin.copy_(theta.sin())
 
     def forward(self, x: Tensor, offset: int = 0) -> Tensor:  # (B, T, H, D) at positions offset, offset + 1, ...
         positions = slice(offset, offset + x.size(1))
@@ -793,6 +902,7 @@ class ModelConfig:
     value_embed_tables: int
     attention_free_layer: bool
     short_window_cap: int
+    token_exact_windows: bool
     max_seq_len: int  # the longer of training and validation sequences
 
     @staticmethod
@@ -1020,7 +1130,9 @@ class GPT(nn.Module):
         """Each layer's attention: the backend with the layer's window mask, over paired positions for
         paired-head layers (each kind of mask built once)."""
         kinds = list(zip(layer_windows((0, 1), self.roles), self.roles.paired_heads))
-        masks = {(which, paired): self.backend.build_mask(paired_tokens(tokens) if paired else tokens, windows[which])
+        exact = self.config.token_exact_windows
+        masks = {(which, paired): self.backend.build_mask(paired_tokens(tokens) if paired else tokens, windows[which],
+                                                          exact=exact)
                  for which, paired in dict.fromkeys(kinds)}
         return [attention_with(self.backend, masks[kind]) for kind in kinds]
 
@@ -1081,6 +1193,17 @@ class GPT(nn.Module):
         """Positions the rotary tables cover: the longest sequence the model can take."""
         return self.config.max_seq_len
 
+    yarn_changes_applied = 0  # how many of yarn_state's changes the rotary tables and scales hold (follow_yarn)
+
+    def set_yarn(self, freqs: Tensor, scale: float, changes: int) -> None:
+        """Every attention layer's rotary tables rebuilt for freqs and its softmax scale set (yarn_state). The scale
+        is a Python float, as M's softmax_scale: a compiled model recompiles once for each new value."""
+        for block in self.blocks:
+            if block.attn is not None:
+                block.attn.rotary.set_frequencies(freqs)
+                block.attn.scale = scale
+        self.yarn_changes_applied = changes
+
     # What a caller outside training (evaluation.py, tools/) builds its inputs with: every document starts with
     # eot_token, a sequence is whole blocks, and windows are (long, short) pairs of blocks.
     eot_token = EOT_TOKEN
@@ -1128,6 +1251,7 @@ class KVCache:
         windows = self.window_pair = windows.to(device)
         self.windows = layer_windows(windows, model.roles)
         self.window_sizes = [int(w) for w in self.windows]  # host copies: no device sync per token
+        self.exact = model.config.token_exact_windows
         self.keys: list[Tensor | None] = [None] * len(model.blocks)
         self.values: list[Tensor | None] = [None] * len(model.blocks)
         self.docs = torch.zeros(self.max_len, dtype=torch.int64, device=device)
@@ -1156,10 +1280,10 @@ class KVCache:
         self.keys[layer][:, self.start:self.length] = k
         self.values[layer][:, self.start:self.length] = v
         window = self.windows[layer]
-        first = first_key_in_window(self.start, self.window_sizes[layer])  # the new queries' oldest key
+        first = first_key_in_window(self.start, self.window_sizes[layer], self.exact)  # the new queries' oldest key
         q_idx = torch.arange(self.start, self.length, device=q.device)[:, None]
         kv_idx = torch.arange(first, self.length, device=q.device)[None, :]
-        mask = attention_allowed(self.docs, q_idx, kv_idx, window)
+        mask = attention_allowed(self.docs, q_idx, kv_idx, window, self.exact)
         return dense_attention(q, self.keys[layer][:, first:self.length], self.values[layer][:, first:self.length],
                                     mask, scale)
 
@@ -1827,18 +1951,26 @@ def build_optimizers(model: GPT, args: Hyperparameters, rank: int, world_size: i
 @dataclass(frozen=True)
 class BatchSchedule:
     """Global tokens per optimizer step at every step: batch_tokens throughout, or --batch_schedule's stages,
-    equal in length (2025-11-29_BatchSizeSchedule: stage int(3 * step / num_iterations)). Every stage is
-    whole micro-steps of seq_len tokens on every rank, so the shapes (and compiled kernels) never change; with
-    --batch_sequences each stage is that many sequences of its own length instead (one compile per stage)."""
+    equal in length (2025-11-29_BatchSizeSchedule: stage int(3 * step / num_iterations)) over the scheduled steps
+    (scheduled_steps), the last one on through track 2's extension. Every stage is whole micro-steps of seq_len
+    tokens on every rank, so the shapes (and compiled kernels) never change; with --batch_sequences each stage is
+    that many sequences of its own length instead (one compile per stage)."""
     stage_tokens: tuple[int, ...]
     stage_accum: tuple[int, ...]  # micro-steps per rank in each stage
     stage_seq_len: tuple[int, ...]  # tokens per sequence (per micro-step) in each stage
-    num_iterations: int
+    scheduled_steps: int
     batch_tokens: int
     lr_exponent: float
+    lr_shares: tuple[float, ...] = ()  # --stage_lr_shares: each stage's lr scale as listed; empty: lr_exponent's
 
     def stage(self, step: int) -> int:
-        return min(len(self.stage_tokens) * step // self.num_iterations, len(self.stage_tokens) - 1)
+        return min(len(self.stage_tokens) * step // self.scheduled_steps, len(self.stage_tokens) - 1)
+
+    def lr_stage(self, step: int) -> int:
+        """The stage whose lr share a step takes (M get_lr): stage k once step / scheduled > k / n, strictly, so it
+        starts a step after the batch's stage where k / n lands on a step (M: batch 1175, lr 1176)."""
+        n = len(self.stage_tokens)
+        return min(max(0, -(-n * step // self.scheduled_steps) - 1), n - 1)
 
     def tokens(self, step: int) -> int:
         return self.stage_tokens[self.stage(step)]
@@ -1850,11 +1982,13 @@ class BatchSchedule:
         return self.stage_seq_len[self.stage(step)]
 
     def lr_scale(self, step: int) -> float:
-        """The record scales every lr as batch ** 0.6; batch_tokens' lrs are the base."""
+        """The record scales every lr as batch ** 0.6; batch_tokens' lrs are the base. Track 2: the listed shares."""
+        if self.lr_shares:
+            return self.lr_shares[self.lr_stage(step)]
         return (self.tokens(step) / self.batch_tokens) ** self.lr_exponent
 
     def first_step(self, stage: int) -> int:
-        return -(-stage * self.num_iterations // len(self.stage_tokens))
+        return -(-stage * self.scheduled_steps // len(self.stage_tokens))
 
     def tokens_before(self, step: int) -> int:
         """Training tokens of steps 0 .. step-1 (what a validation at `step` has seen), summed stage by stage."""
@@ -1885,8 +2019,9 @@ def batch_schedule(args: Hyperparameters, world_size: int) -> BatchSchedule:
                  else f"the --batch_schedule stages {'/'.join(map(str, tokens))} tokens")
         raise UsageError(f"world size {world_size} cannot split {batch} into sequences of --seq_len={args.seq_len} "
                          f"for every rank; world sizes that work: {valid or 'none (fix the batch size)'}")
+    shares = tuple(lr_shares(args.stage_lr_shares)) if args.stage_lr_shares else ()
     return BatchSchedule(tokens, tuple(n // world_size for n in sequences), (args.seq_len,) * len(tokens),
-                         args.num_iterations, args.batch_tokens, args.batch_lr_exponent)
+                         scheduled_steps(args), args.batch_tokens, args.batch_lr_exponent, shares)
 
 
 def packed_batch_schedule(args: Hyperparameters, tokens: tuple[int, ...], world_size: int) -> BatchSchedule:
@@ -1898,12 +2033,16 @@ def packed_batch_schedule(args: Hyperparameters, tokens: tuple[int, ...], world_
         raise UsageError(f"world size {world_size} cannot split --batch_sequences={n} packed sequences per step "
                          f"evenly over its ranks (the record's one buffer per GPU on {n} GPUs); world sizes that "
                          f"work: {valid}")
+    shares = tuple(lr_shares(args.stage_lr_shares)) if args.stage_lr_shares else ()
     return BatchSchedule(tokens, (n // world_size,) * len(tokens), tuple(t // n for t in tokens),
-                         args.num_iterations, args.batch_tokens, args.batch_lr_exponent)
+                         scheduled_steps(args), args.batch_tokens, args.batch_lr_exponent, shares)
 
 
 def lr_multiplier(step: int, num_iterations: int, cooldown_frac: float, final_frac: float) -> float:
-    """1 until the cooldown starts, then linear down to final_frac at the last step."""
+    """1 until the cooldown starts, then linear down to final_frac at the last scheduled step (num_iterations: the
+    scheduled steps), held there after it (track 2's extension, M get_lr)."""
+    if step > num_iterations:
+        return final_frac
     progress = step / num_iterations
     if progress < 1 - cooldown_frac:
         return 1.0
@@ -1911,9 +2050,33 @@ def lr_multiplier(step: int, num_iterations: int, cooldown_frac: float, final_fr
     return w + (1 - w) * final_frac
 
 
-def muon_momentum(step: int, warmup_steps: int, start: float, end: float) -> float:
+def muon_momentum(step: int, warmup_steps: int, start: float, end: float, cooldown_steps: int = 0,
+                  num_iterations: int = 0) -> float:
+    """Warmed up from start to end over warmup_steps; track 2 (M get_muon_momentum): back down to start over the
+    last cooldown_steps of the num_iterations training steps (M: 0.948 at 4691 ... 0.852 at 4739)."""
+    cooldown_start = num_iterations - cooldown_steps
+    if cooldown_steps and step > cooldown_start and step >= warmup_steps:
+        return end - (step - cooldown_start) / cooldown_steps * (end - start)
     frac = min(step / warmup_steps, 1.0) if warmup_steps > 0 else 1.0
     return (1 - frac) * start + frac * end
+
+
+def follow_yarn(model: GPT, step: int, args: Hyperparameters) -> tuple[int, float] | None:
+    """Brings the model's rotary tables and attention scales to the step's YaRN state (yarn_state) where they hold
+    another: the training loop at every step, the tools at their step. Returns (changes applied, the new scale)
+    when it rebuilt them, else None."""
+    changes = len(yarn_changes(step, args))
+    if changes == model.yarn_changes_applied:
+        return None
+    freqs, scale = yarn_state(step, args)
+    model.set_yarn(freqs, scale, changes)
+    return changes, scale
+
+
+def muon_momentum_at(step: int, args: Hyperparameters) -> float:
+    """The step's Muon momentum under the run's flags (muon_momentum)."""
+    return muon_momentum(step, args.muon_momentum_warmup_steps, args.muon_momentum_start, args.muon_momentum,
+                         args.muon_momentum_cooldown_steps, args.num_iterations)
 
 
 MTP_WEIGHT_RATIO = 0.5  # 2025-12-22_MultiTokenPrediction: weights 1, 0.5, 0.25 for the next 3 tokens
@@ -1947,7 +2110,7 @@ class StepTensors:
         self.window_tensors = {pair: torch.tensor(pair, dtype=torch.int64, device=device)
                                for pair in window_pairs(args) or ()}
         # after the MTP phase every step has the same weights (the next token alone): the table ends there
-        self.mtp_last = min(args.num_iterations, math.ceil(args.num_iterations * args.mtp_frac))
+        self.mtp_last = min(args.num_iterations, math.ceil(scheduled_steps(args) * args.mtp_frac))
         self.mtp_table, self.mtp_first = None, 0
         if args.mtp_tokens > 1:
             self.mtp_rows(0)
@@ -1963,8 +2126,8 @@ class StepTensors:
         """The MTP weights of steps first .. first + MTP_TABLE_ROWS - 1 (at most to the end of the phase)."""
         steps = range(first, min(first + MTP_TABLE_ROWS, self.mtp_last + 1))
         a = self.args
-        self.mtp_table = torch.tensor([mtp_loss_weights(s, a.num_iterations, a.mtp_tokens, a.mtp_frac) for s in steps],
-                                      device=self.device)
+        self.mtp_table = torch.tensor([mtp_loss_weights(s, scheduled_steps(a), a.mtp_tokens, a.mtp_frac)
+                                       for s in steps], device=self.device)
         self.mtp_first = first
 
     def mtp_weights(self, step: int) -> list[Tensor]:
@@ -2473,10 +2636,53 @@ TECHNIQUES: tuple[Technique, ...] = (
         refusals=(Refusal(lambda a: a.window_stages and not a.sliding_window,
                           lambda a: "--window_stages sets the sliding windows, which --sliding_window=false turns "
                                     "off; pass one of them"),
-                  Refusal(lambda a: len(window_stage_blocks(a.window_stages) or ()) > a.num_iterations,
+                  Refusal(lambda a: 0 < scheduled_steps(a) < len(window_stage_blocks(a.window_stages) or ()),
                           lambda a: f"--window_stages has {len(window_stage_blocks(a.window_stages))} stages but "
                                     f"--num_iterations={a.num_iterations} has fewer steps, so some would never be "
                                     "used; pass fewer stages or more steps"))),
+    # Track 2's clock and the record's own schedule shapes (M get_lr, get_muon_momentum, Yarn, get_ws).
+    Technique(
+        "extension_steps", ("2025-12-31_BulkSmallTrackTransfer",), "schedule", {"extension_steps": integer(0)},
+        {"medium": {}}, left_out=only_track_2("one schedule over every step"),
+        refusals=(Refusal(lambda a: a.extension_steps >= a.num_iterations,
+                          lambda a: f"--extension_steps={a.extension_steps} leaves no scheduled step of "
+                                    f"--num_iterations={a.num_iterations}; pass fewer extension steps or more "
+                                    "steps"),)),
+    Technique(
+        "stage_lr_shares", ("2025-12-31_BulkSmallTrackTransfer",), "schedule",
+        {"stage_lr_shares": Rule(lambda v: v == "" or lr_shares(v) is not None,
+                                 "empty, or comma-separated shares in (0, 1] such as 0.5,0.76,0.865,1")},
+        {"medium": {}}, left_out=only_track_2("lrs scaled by the batch's tokens to a power"),
+        refusals=(Refusal(lambda a: a.stage_lr_shares and a.batch_schedule and len(lr_shares(a.stage_lr_shares)) !=
+                          len(stage_fractions(a.batch_schedule) or ()),
+                          lambda a: f"--stage_lr_shares has {len(lr_shares(a.stage_lr_shares))} shares but "
+                                    f"--batch_schedule has {len(stage_fractions(a.batch_schedule) or ())} stages; "
+                                    "pass one share per stage"),),
+        only_when=(only_if(("stage_lr_shares",), lambda a: bool(a.batch_schedule), "a --batch_schedule",
+                           lambda a: "no --batch_schedule (one batch throughout)"),)),
+    Technique(
+        "muon_momentum_cooldown", ("2025-12-31_BulkSmallTrackTransfer",), "optimizer",
+        {"muon_momentum_cooldown_steps": integer(0)}, {"medium": {}},
+        left_out=only_track_2("Muon's momentum at its peak to the end"),
+        refusals=(Refusal(lambda a: a.muon_momentum_cooldown_steps > a.num_iterations,
+                          lambda a: f"--muon_momentum_cooldown_steps={a.muon_momentum_cooldown_steps} is longer than "
+                                    f"--num_iterations={a.num_iterations}; pass at most {a.num_iterations}"),),
+        only_when=(only_with("muon_momentum_cooldown_steps", switch="muon"),)),
+    Technique(
+        "yarn", ("2025-12-31_BulkSmallTrackTransfer",), "schedule", {"yarn_max_window": integer(0)},
+        {"medium": {}}, left_out=only_track_2("fixed rotary frequencies and attention scale"),
+        only_when=(only_if(("yarn_max_window",), lambda a: a.sliding_window and bool(a.window_stages),
+                           "--window_stages (YaRN follows their changes)",
+                           lambda a: "no --window_stages" if a.sliding_window else "--sliding_window=false"),)),
+    Technique(
+        "final_window_blocks", ("2025-12-31_BulkSmallTrackTransfer",), "schedule",
+        {"final_window_blocks": integer(0)}, {"medium": {}},
+        left_out=only_track_2("the schedule's window at the last validation"),
+        only_when=(only_with("final_window_blocks", switch="sliding_window"),)),
+    Technique(
+        "token_exact_windows", ("2025-12-31_BulkSmallTrackTransfer",), "model", {"token_exact_windows": ANY_BOOL},
+        {"medium": {}}, left_out=only_track_2("windows of whole blocks"),
+        only_when=(only_with("token_exact_windows", switch="sliding_window"),)),
     Technique(
         "short_window_cap", ("2025-12-31_BulkSmallTrackTransfer",), "model", {"short_window_cap": integer(0)},
         {"medium": {}}, left_out=only_track_2("short windows of half the long one"),
@@ -2611,7 +2817,7 @@ def check_batch_schedule(args: Hyperparameters) -> None:
     if fracs and fracs[-1] != 1:
         raise UsageError(f"{flag} never reaches --batch_tokens={args.batch_tokens}: its last stage must be 1, the "
                          "batch the learning rates are set for (pass --batch_tokens for a smaller batch)")
-    if len(fracs) > args.num_iterations:  # equal-length stages: some would get no step and silently never train
+    if 0 < scheduled_steps(args) < len(fracs):  # equal-length stages: some would get no step and never train
         raise UsageError(f"{flag} has {len(fracs)} stages but --num_iterations={args.num_iterations} has fewer steps; "
                          "every stage needs at least one step: pass fewer stages or more steps")
     unit = Fraction(args.seq_len, args.batch_tokens)  # the smallest stage: one sequence
@@ -2831,6 +3037,9 @@ def configure_inductor(args: Hyperparameters) -> None:
     """The record's compiler settings for a compiled model."""
     import torch._inductor.config as inductor_config
     inductor_config.coordinate_descent_tuning = args.coordinate_descent_tuning  # R: tunes each kernel's tiling
+    if args.yarn_max_window:  # M L34: room for a graph per YaRN state, training and validation, and more
+        import torch._dynamo.config as dynamo_config
+        dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, 64)
 
 
 # -----------------------------------------------------------------------------
@@ -2996,6 +3205,7 @@ def warm_up(run: Run) -> None:
                                  run.rt.is_master):
             train_step(run, step)
         evaluate(run.step_model, run.val_seqs[:1], run.schedules.windows(0), run.rt)
+        warm_up_yarn(run)
         run.rt.synchronize()
     with torch.no_grad():
         for name, x in live.tensors.items():
@@ -3014,6 +3224,19 @@ def warm_up_steps(warmup_steps: int, batches: BatchSchedule) -> list[int]:
             steps.append(first)
             lengths.add(batches.seq_len(first))
     return steps
+
+
+def warm_up_yarn(run: Run) -> None:
+    """A compiled model's graphs for each YaRN state (its attention scale is a Python float, as M's): one training
+    step and one validation sequence at each change, as M warms up its transition steps, so the timed run does
+    not recompile; then the model back at step 0's state."""
+    if run.rt.compile != "model":
+        return
+    for step, _, _ in yarn_changes(run.args.num_iterations, run.args):
+        follow_yarn(run.model, step, run.args)
+        train_step(run, step)
+        evaluate(run.step_model, run.val_seqs[:1], run.schedules.windows(step), run.rt)
+    follow_yarn(run.model, 0, run.args)
 
 
 def resume(run: Run, checkpoint: Path | None) -> int:
@@ -3040,7 +3263,16 @@ def resume(run: Run, checkpoint: Path | None) -> int:
 def lr_multiplier_at(run: Run, step: int) -> float:
     """The step's lr multiplier: the cooldown schedule times the batch stage's scale."""
     args = run.args
-    return lr_multiplier(step, args.num_iterations, args.cooldown_frac, args.lr_final_frac) * run.batches.lr_scale(step)
+    cooldown = lr_multiplier(step, scheduled_steps(args), args.cooldown_frac, args.lr_final_frac)
+    return cooldown * run.batches.lr_scale(step)
+
+
+def follow_yarn_logged(run: Run, step: int) -> None:
+    """The step's YaRN state on the model (follow_yarn), and a log line where it changes."""
+    changed = follow_yarn(run.model, step, run.args)
+    if changed is not None:
+        run.log.write(f"yarn: from step {step}, {changed[0]} long-window changes applied: rotary rescaled, attention "
+                      f"scale {changed[1]:.7g}")
 
 
 def train_step(run: Run, step: int) -> Tensor:
@@ -3055,8 +3287,7 @@ def train_step(run: Run, step: int) -> Tensor:
         loss = run.step_model(x, y, windows, *mtp)
         loss.backward()
         losses.append(loss.detach())
-    momentum = muon_momentum(step, args.muon_momentum_warmup_steps, args.muon_momentum_start, args.muon_momentum)
-    run.opt.step(lr_multiplier_at(run, step), momentum, accum)
+    run.opt.step(lr_multiplier_at(run, step), muon_momentum_at(step, args), accum)
     run.model.zero_grad(set_to_none=True)  # R: the next backward writes fresh gradients, no zeroing kernels
     return torch.stack(losses).mean()
 
@@ -3071,6 +3302,7 @@ def train_loop(run: Run, start_step: int, stop: StopSignal, resumed_from: Path |
     status, end_step = None, N
     with profiling(run) as profiler, progress_bar(range(start_step, N), "training", rt.is_master) as bar:
         for step in range(start_step, N + 1):
+            follow_yarn_logged(run, step)
             # ---------------- VALIDATION ----------------
             validate_now = step == N or due(step, args.val_every)
             hellaswag_now = run.hellaswag_items is not None and (step == N or due(step, args.hellaswag_every))

@@ -127,7 +127,9 @@ BAD_VALUES = {  # field: (a value just inside the valid range, values outside it
     "mtp_frac": ("1", ["0", "1.5", "nan"]),
     # track 2's techniques (the medium preset)
     "value_embed_tables": ("1", ["0", "-3"]), "attention_free_layer": ("false", ["x"]), "short_window_cap": ("0", ["-1"]),
-    "window_stages": ("3,7", ["0", "3,x", "-1,2"]),
+    "window_stages": ("3,7", ["0", "3,x", "-1,2"]), "extension_steps": ("10", ["-1", "x"]),
+    "stage_lr_shares": ("0.5,1", ["0", "x", "0.5,2"]), "muon_momentum_cooldown_steps": ("10", ["-1"]),
+    "yarn_max_window": ("13", ["-1"]), "final_window_blocks": ("4", ["-1"]), "token_exact_windows": ("true", ["x"]),
     "batch_sequences": ("0", ["-1", "x"]),
 }
 
@@ -139,7 +141,8 @@ def test_every_hyperparameter_has_a_rule_and_bad_values_here():
 
 USED_ONLY_WITH = {"matrix_adam_lr": ["--muon=false"], "batch_lr_exponent": ["--batch_schedule=1/2,1"],
                   "normuon_beta2": ["--normuon=true"], "muon_cautious_wd": ["--cautious_wd=true"],
-                  "adam_cautious_wd": ["--cautious_wd=true"]}
+                  "adam_cautious_wd": ["--cautious_wd=true"], "stage_lr_shares": ["--batch_schedule=1/2,1"],
+                  "yarn_max_window": ["--window_stages=1,2"]}
 
 
 @pytest.mark.parametrize("name", sorted(BAD_VALUES))
@@ -210,6 +213,10 @@ UNUSED = {
     "adam_cautious_wd": ["--adam_cautious_wd=0.1"], "bigram_dim": ["--bigram_dim=32"],
     "mtp_frac": ["--mtp_frac=0.5"], "value_embed_tables": ["--value_embeds=false", "--value_embed_tables=5"],
     "short_window_cap": ["--sliding_window=false", "--short_window_cap=4"],
+    "stage_lr_shares": ["--stage_lr_shares=0.5,1"], "yarn_max_window": ["--yarn_max_window=13"],
+    "muon_momentum_cooldown_steps": ["--muon=false", "--muon_momentum_cooldown_steps=5"],
+    "final_window_blocks": ["--sliding_window=false", "--final_window_blocks=27"],
+    "token_exact_windows": ["--sliding_window=false", "--token_exact_windows=true"],
 }
 
 
@@ -267,8 +274,14 @@ def test_a_resumed_run_judges_unused_flags_on_its_checkpoint_s_values():
 @pytest.mark.parametrize("argv, message", [
     (["--mtp_tokens=300", "--seq_len=256", "--batch_tokens=512"],
      "--mtp_tokens=300 predicts more tokens than a --seq_len=256 sequence holds; pass at most 256"),
-    (["--preset=medium", "--num_iterations=11", "--batch_schedule="],
+    (["--preset=medium", "--num_iterations=11", "--batch_schedule=", "--extension_steps=0"],
      "--window_stages has 12 stages but --num_iterations=11 has fewer steps"),
+    (["--preset=medium", "--extension_steps=4740"],
+     "--extension_steps=4740 leaves no scheduled step of --num_iterations=4740; pass fewer extension steps"),
+    (["--preset=medium", "--stage_lr_shares=0.5,1"],
+     "--stage_lr_shares has 2 shares but --batch_schedule has 12 stages; pass one share per stage"),
+    (["--preset=medium", "--muon_momentum_cooldown_steps=5000"],
+     "--muon_momentum_cooldown_steps=5000 is longer than --num_iterations=4740; pass at most 4740"),
 ])
 def test_ranges_that_depend_on_another_flag_are_refused(argv, message):
     """--mtp_tokens beyond the sequence was accepted and failed at the first step with a shape error."""

@@ -28,6 +28,10 @@ RECORD_2025_12_31 = dict(
     num_iterations=4740, cooldown_frac=0.7, lr_final_frac=0.05,  # L1625-1628, get_lr: 2.0 -> 0.1
     val_every=250, val_tokens=10485760, val_seq_len=262144,  # L1632, L1615, L1623
     window_stages="3,7,11,13,15,17,19,21,23,23,23,23", short_window_cap=11,  # L1636-1638, get_ws
+    extension_steps=40, muon_momentum_cooldown_steps=50,  # L1625-1627: 4700 scheduled + 40; get_muon_momentum
+    stage_lr_shares="0.5,0.76,0.865,1,1,1,1,1,1,1,1,1",  # get_lr's lr_max 1.0/1.52/1.73/2.0, over its peak 2.0
+    attn_scale=0.1, yarn_max_window=13, final_window_blocks=27,  # L889, L1552-1553, L1646
+    token_exact_windows=True,  # L982-984: FA3 window_size=(128 * w, 0)
     bos_align=True, doc_len_cap=4096,  # L1622
     muon_lr=0.03, polar_express=True, normuon=True, normuon_beta2=0.95, cautious_wd=True,  # L1486: 0.015 x peak 2.0
     muon_cautious_wd=1.2, adam_cautious_wd=0.005, muon_momentum=0.95, muon_momentum_start=0.85,
@@ -75,14 +79,15 @@ def test_the_medium_layout_has_five_value_tables_attention_everywhere_and_the_re
 
 def test_windows_step_through_the_records_stages_with_the_short_one_capped():
     args = medium()
-    stage = args.num_iterations / 12
+    stage = T.scheduled_steps(args) / 12
     longs = [T.attention_windows(int(i * stage) + 1, args) for i in range(12)]
     assert longs == [(3, 1), (7, 3), (11, 5), (13, 6), (15, 7), (17, 8), (19, 9), (21, 10)] + [(23, 11)] * 4
-    assert T.attention_windows(args.num_iterations, args) == (23, 11)
+    assert T.attention_windows(args.num_iterations - 1, args) == (23, 11)
+    assert T.attention_windows(args.num_iterations, args) == (27, 11)  # the last validation: M L1646
     assert T.window_pair(40, short_cap=11) == (40, 11) and T.window_pair(40) == (40, 20)
     model = T.GPT(T.ModelConfig.of(medium("--n_layer=2", "--model_dim=64", "--n_head=2", "--head_dim=32",
                                           "--value_embed_tables=1")))
-    assert model.window(T.attention_windows(args.num_iterations, args)).tolist() == [23, 11]  # the tools' too
+    assert model.window(T.attention_windows(args.num_iterations, args)).tolist() == [27, 11]  # the tools' too
     with pytest.raises(T.UsageError, match="--window_stages sets the sliding windows"):
         medium("--sliding_window=false")
     with pytest.raises(T.UsageError, match="bad value 'wide' for --window_stages"):
@@ -90,7 +95,7 @@ def test_windows_step_through_the_records_stages_with_the_short_one_capped():
 
 
 def test_multi_token_prediction_runs_over_the_first_quarter_then_the_next_token_alone():
-    n = 4740
+    n = 4700  # the scheduled steps (M: s / (4700 / 4))
     assert T.mtp_loss_weights(0, n, 3, 0.25) == [1.0, 0.5, 0.25]
     quarter = n * 0.25
     assert T.mtp_loss_weights(int(quarter / 3) + 1, n, 3, 0.25)[2] == 0.0  # phase 2: two tokens
@@ -217,32 +222,35 @@ class StepTensorsAt:
     @property
     def mtp(self):
         args = self.args
-        return torch.tensor(T.mtp_loss_weights(self.step, args.num_iterations, args.mtp_tokens, args.mtp_frac))
+        return torch.tensor(T.mtp_loss_weights(self.step, T.scheduled_steps(args), args.mtp_tokens, args.mtp_frac))
 
 
 # A tiny medium: 10 layers (five encoder layers read the five tables), the record's 12 batch stages as two packed
 # sequences of 128 to 512 tokens, its window stages, capped short window and early MTP, on the bundled sample.
 TINY_MEDIUM = ["--preset=medium", "--train_files=data/sample/sotu_train_*.bin", "--val_files=data/sample/sotu_val_*.bin",
                "--n_layer=10", "--model_dim=64", "--n_head=2", "--head_dim=32", "--batch_sequences=2", "--seq_len=512",
-               "--batch_tokens=1024",
-               "--val_seq_len=256", "--val_tokens=512", "--num_iterations=12", "--val_every=6", "--warmup_steps=0",
+               "--batch_tokens=1024", "--val_seq_len=256", "--val_tokens=512", "--num_iterations=13",
+               "--extension_steps=1", "--muon_momentum_cooldown_steps=2", "--val_every=6", "--warmup_steps=0",
                "--log_train_loss=true", "--compile=off", "--attention=banded", "--dtype=fp32"]
 
 
 def test_a_tiny_medium_trains_on_cpu_through_every_medium_only_path(tmp_path):
     """Falling losses through the value tables, every layer's attention, the window stages with their cap, the
-    early MTP phases and the 12 batch stages (two packed sequences of 128 to 512 tokens per step); its checkpoint
-    is refused under the small preset in one line, and as the old medium preset's (no batch_sequences recorded)
-    too, with nothing written."""
+    early MTP phases and the 12 batch stages (two packed sequences of 128 to 512 tokens per step), YaRN at the first
+    three window changes and an extension step; its checkpoint is refused under the small preset in one line, and as
+    the old medium preset's (no batch_sequences recorded) too, with nothing written."""
     one = run_main(TINY_MEDIUM + ["--run_id=m1", "--checkpoint_final=true"], tmp_path)
     assert one.returncode == 0, one.stderr[-2000:]
     summary = json.loads((tmp_path / "m1.json").read_text())
     assert [s[1:] for s in summary["runtime"]["batch_stages"][:4]] == [[256, 2], [512, 2], [768, 2], [1024, 2]]
-    assert "(derived) batch_stage_seq_len = 128/256/384/512/512/512" in (tmp_path / "m1.txt").read_text()
-    losses = train_losses((tmp_path / "m1.txt").read_text())
-    assert sorted(losses) == list(range(1, 13)) and losses[12] < losses[1]
+    log = (tmp_path / "m1.txt").read_text()
+    assert "(derived) batch_stage_seq_len = 128/256/384/512/512/512" in log
+    losses = train_losses(log)
+    assert sorted(losses) == list(range(1, 14)) and losses[13] < losses[1]
+    assert [line.split(",")[0] for line in log.splitlines() if line.startswith("yarn:")] == [
+        f"yarn: from step {step}" for step in (1, 2, 3)]  # 3 -> 7 -> 11 -> 13 blocks; none from 15 on
     assert summary["final_val_loss"] < summary["val_curve"][0][1]
-    small = run_main(["--preset=speedrun", f"--resume={tmp_path / 'm1' / 'step_000012'}", "--run_id=small"], tmp_path)
+    small = run_main(["--preset=speedrun", f"--resume={tmp_path / 'm1' / 'step_000013'}", "--run_id=small"], tmp_path)
     assert small.returncode == 2 and small.stderr.count("\n") == 1
     assert "--preset=speedrun differs from checkpoint" in small.stderr and "a resumed run keeps its preset" in \
         small.stderr

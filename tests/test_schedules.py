@@ -89,7 +89,8 @@ def test_short_window_is_half_the_long_one_at_least_one_block(long, short, monke
     model = T.GPT(T.ModelConfig.of(args))
     seen = []
     monkeypatch.setattr(model, "backend", type("Spy", (T.BandedAttention,), {
-        "build_mask": staticmethod(lambda tokens, w: seen.append(int(w)) or T.banded_window_mask(tokens, w))}))
+        "build_mask": staticmethod(lambda tokens, w, **kw: seen.append(int(w)) or T.banded_window_mask(tokens, w,
+                                                                                                        **kw))}))
     tokens = torch.randint(0, 64, (2048,))
     model(tokens, tokens, T.window_tensor(long))
     assert sorted(seen) == sorted([long, short])
@@ -143,9 +144,10 @@ def test_the_windows_made_at_start_up_cover_every_step_without_walking_them(argv
 @pytest.mark.parametrize("argv", [["--preset=medium"], ["--preset=cpu", "--recipe=v2", "--num_iterations=61"],
                                   ["--preset=cpu"]])
 def test_tokens_before_sums_the_stages_as_the_steps_would(argv):
-    batches = T.batch_schedule(T.parse_args(argv, False), 1)
+    args = T.parse_args(argv, False)
+    batches = T.batch_schedule(args, 1)
     total = 0
-    for step in range(batches.num_iterations + 3):  # past the end too: a warm-up longer than the run
+    for step in range(args.num_iterations + 3):  # past the end too: a warm-up longer than the run
         assert batches.tokens_before(step) == total, step
         total += batches.tokens(step)
 
@@ -177,3 +179,202 @@ def test_a_step_count_beyond_any_run_is_refused_in_one_line():
     with pytest.raises(T.UsageError, match=r"^bad value 12345678901234567890 for --num_iterations; valid: an integer "
                                            r"in \[1, 1000000000\]$"):
         T.parse_args(["--preset=cpu", "--num_iterations=12345678901234567890"], False)
+
+
+# ----------------------------------------------------------------------------- track 2: the record's schedules
+# The medium preset against the record's own functions, transcribed here from its source ("M": the train_gpt.py
+# embedded in the logs of records/track_2_medium/2025-12-31_BulkSmallTrackTransfer; docs/track2-record-fidelity.md,
+# "Schedules at the record's boundary steps"): 4700 scheduled steps, 40 extension steps, 4740 in all.
+
+M_SCHEDULED, M_STEPS, M_COOLDOWN = 4700, 4740, 0.70
+M_BATCHES = (131072, 262144, 393216) + (524288,) * 9
+M_WINDOWS = (3, 7, 11, 13, 15, 17, 19, 21, 23, 23, 23, 23)
+# the audit's table: step -> (M get_lr, M batch, M momentum)
+M_BOUNDARY_VALUES = {
+    0: (1, 131072, 0.85), 1: (1, 131072, 0.850333), 299: (1, 131072, 0.949667), 300: (1, 131072, 0.95),
+    391: (1, 131072, 0.95), 392: (1.52, 262144, 0.95), 783: (1.52, 262144, 0.95), 784: (1.73, 393216, 0.95),
+    785: (1.73, 393216, 0.95), 786: (1.73, 393216, 0.95), 1174: (1.73, 393216, 0.95), 1175: (1.73, 524288, 0.95),
+    1176: (2, 524288, 0.95), 1410: (2, 524288, 0.95), 1411: (1.99942, 524288, 0.95),
+    1567: (1.90933, 524288, 0.95), 3134: (1.00438, 524288, 0.95), 4690: (0.105775, 524288, 0.95),
+    4691: (0.105198, 524288, 0.948), 4699: (0.100578, 524288, 0.932), 4700: (0.1, 524288, 0.93),
+    4701: (0.1, 524288, 0.928), 4739: (0.1, 524288, 0.852),
+}
+
+
+def m_get_lr(step):
+    if step > M_SCHEDULED:
+        return 0.1
+    lr_max = 1.0
+    x = step / M_SCHEDULED
+    if x > 1/12:
+        lr_max = 1.52
+    if x > 2/12:
+        lr_max = 1.73
+    if x > 3/12:
+        lr_max = 2.0
+    if x >= 1 - M_COOLDOWN:
+        w = (1 - x) / M_COOLDOWN
+        return lr_max * w + (1 - w) * 0.1
+    return lr_max
+
+
+def m_get_bs(step):
+    return 524288 if step >= M_SCHEDULED else M_BATCHES[int(len(M_BATCHES) * (step / M_SCHEDULED))]
+
+
+def m_get_ws(step):
+    """(long, short), with the last validation's ws_validate_post_yarn_ext."""
+    if step == M_STEPS:
+        return 27, 11
+    if step >= M_SCHEDULED:
+        return 23, 23 // 2
+    long = M_WINDOWS[int(len(M_WINDOWS) * (step / M_SCHEDULED))]
+    return long, min(11, long // 2)
+
+
+def m_get_muon_momentum(step, warmup=300, cooldown=50, low=0.85, high=0.95):
+    cooldown_start = M_STEPS - cooldown
+    if step < warmup:
+        return low + step / warmup * (high - low)
+    if step > cooldown_start:
+        return high - (step - cooldown_start) / cooldown * (high - low)
+    return high
+
+
+def m_mtp_weights(step):
+    x = step / (M_SCHEDULED / 4)
+    if x < 1/3:
+        return [1.0, 0.5, 0.25 * (1 - 3*x)]
+    if x < 2/3:
+        return [1.0, 0.5 * (1 - (3*x - 1))]
+    return [1.0]
+
+
+def m_yarn_states():
+    """M's Yarn object stepped by advance_schedule through the run: {step: (angular_freq, attn_scale)} after each
+    step's schedule (float32 frequencies, as M's buffer)."""
+    freq = (1 / 1024) ** torch.linspace(0, 1, steps=32, dtype=torch.float32)
+    freq = torch.cat([freq, freq.new_zeros(32)])
+    scale, long, states = 0.1, m_get_ws(0)[0], {}
+    for step in range(M_STEPS):
+        new = m_get_ws(step)[0]
+        if new != long and new <= 13:
+            rotations = 128 * long * freq / (2 * torch.pi)
+            scaling_factor = long / new
+            interpolation_weight = torch.clamp((rotations - 1) / (32 - 1), 0, 1)
+            freq = freq * (scaling_factor + interpolation_weight * (1 - scaling_factor))
+            scale *= 0.2 * math.log(new / long) + 1
+        long = new
+        states[step] = (freq.clone(), scale)
+    states[M_STEPS] = states[M_STEPS - 1]  # the last validation: 27 blocks, no YaRN
+    return states
+
+
+def medium_schedules():
+    args = T.parse_args(["--preset=medium"], False)
+    batches = T.batch_schedule(args, 8)
+    return args, batches, type("RunStub", (), {"args": args, "batches": batches})
+
+
+def test_the_medium_lr_is_the_records_get_lr_over_2_at_every_step():
+    """Cooldown multiplier x stage share == M get_lr / 2 bit for bit at all 4740 steps: the stages from x > k/12
+    (392, 784, 1176: one step after the batch's 1175), the cooldown from 1411 on the 4700-step clock, the floor
+    0.05 from 4700 through the extension."""
+    args, batches, run = medium_schedules()
+    ours = [T.lr_multiplier_at(run, step) for step in range(M_STEPS)]
+    assert ours == [m_get_lr(step) / 2 for step in range(M_STEPS)]
+    for step, (lr, _, _) in M_BOUNDARY_VALUES.items():
+        assert ours[step] == pytest.approx(lr / 2, rel=1e-5), step
+    assert [batches.lr_stage(s) for s in (391, 392, 783, 784, 1175, 1176)] == [0, 1, 1, 2, 2, 3]
+
+
+def test_the_medium_batch_is_the_records_get_bs_and_the_run_trains_its_tokens():
+    args, batches, _ = medium_schedules()
+    assert [batches.tokens(step) for step in range(M_STEPS + 3)] == [m_get_bs(step) for step in range(M_STEPS + 3)]
+    assert [batches.first_step(i) for i in range(4)] == [0, 392, 784, 1175]
+    for step, (_, batch, _) in M_BOUNDARY_VALUES.items():
+        assert batches.tokens(step) == batch, step
+    assert batches.tokens_before(M_STEPS) == sum(map(m_get_bs, range(M_STEPS))) == 2_176_974_848
+    assert batches.stage_accum[:4] == (1, 2, 3, 4)
+
+
+def test_the_medium_muon_momentum_warms_up_and_cools_down_as_the_records():
+    args, _, _ = medium_schedules()
+    ours = [T.muon_momentum_at(step, args) for step in range(M_STEPS)]
+    assert ours[300:] == [m_get_muon_momentum(step) for step in range(300, M_STEPS)]  # the cooldown in M's form
+    assert ours[:300] == pytest.approx([m_get_muon_momentum(step) for step in range(300)], abs=1e-15)
+    for step, (_, _, momentum) in M_BOUNDARY_VALUES.items():
+        assert ours[step] == pytest.approx(momentum, abs=5e-7), step
+
+
+def test_the_medium_windows_and_mtp_weights_are_the_records_at_every_step():
+    args, _, _ = medium_schedules()
+    assert [T.attention_windows(step, args) for step in range(M_STEPS + 1)] == \
+        [m_get_ws(step) for step in range(M_STEPS + 1)]
+    for step in range(M_STEPS + 1):
+        ours = T.mtp_loss_weights(step, T.scheduled_steps(args), args.mtp_tokens, args.mtp_frac)
+        want = m_mtp_weights(step)
+        assert ours == want + [0.0] * (3 - len(want)), step
+    schedules = T.StepTensors(args, torch.device("cpu"))
+    assert schedules.mtp_last == 1175 and schedules.windows(M_STEPS).tolist() == [27, 11]
+    assert schedules.mtp_weights(392)[0].tolist() == pytest.approx([1, 0.499574, 0], abs=1e-6)
+
+
+def test_yarn_is_the_records_at_every_window_change_and_a_pure_function_of_the_step():
+    """yarn_state against M's Yarn stepped through the run: the same float32 frequencies and the same attention
+    scale at every step around each change; the audit's values: 0.1 -> 0.116946 -> 0.127518 -> 0.131778, then
+    fixed through the 27-block last validation (no YaRN above 13 blocks)."""
+    args, _, _ = medium_schedules()
+    m = m_yarn_states()
+    for step in (0, 391, 392, 393, 783, 784, 785, 1174, 1175, 1176, 1566, 1567, 3134, 4700, 4739, 4740):
+        freqs, scale = T.yarn_state(step, args)
+        assert torch.equal(freqs, m[step][0]) and scale == m[step][1], step
+    scales = [T.yarn_state(step, args)[1] for step in (391, 392, 784, 1175, 4740)]
+    assert scales == pytest.approx([0.1, 0.1169460, 0.1275175, 0.1317780, 0.1317780], abs=5e-8)
+    final = [1, 0.799638, 0.639421, 0.504225, 0.356011, 0.254507, 0.17184, 0.111207, 0.0736302, 0.0508033,
+             0.0361749, 0.0263929, 0.0196245, 0.0148107, 0.0113099, 0.00871741, 0.00676914, 0.00528742,
+             0.00414952, 0.00329728, 0.00263663, 0.00210835, 0.00168592, 0.00134812, 0.00107801, 0.000862019,
+             0.000689303, 0.000551193, 0.000440755, 0.000352445, 0.000281828, 0.000225361]
+    freqs = T.yarn_state(4740, args)[0]
+    assert freqs[:32].tolist() == pytest.approx(final, rel=2e-5) and not freqs[32:].any()
+    first = T.yarn_state(392, args)[0] / T.rotary_frequencies(128)
+    assert first[:3].tolist() == [1, 1, 1] and first[3].item() == pytest.approx(0.98615, abs=1e-5)
+    assert first[19:32].tolist() == pytest.approx([3 / 7] * 13, rel=1e-6)
+    off = T.parse_args(["--preset=medium", "--yarn_max_window=0"], False)
+    assert T.yarn_state(4740, off)[1] == 0.1 and torch.equal(T.yarn_state(4740, off)[0], T.rotary_frequencies(128))
+
+
+def test_the_model_follows_yarn_in_place_and_a_fresh_model_at_a_step_rebuilds_the_same_state():
+    """follow_yarn rebuilds every layer's rotary tables (same buffers) and scales once per change; a model built
+    afresh and brought to a later step (a resumed run, a tool) holds exactly the same tables and scales."""
+    args = T.parse_args(["--preset=medium", "--compile=off", "--n_layer=2", "--model_dim=64", "--n_head=2",
+                         "--head_dim=32", "--value_embed_tables=1", "--seq_len=256", "--val_seq_len=256",
+                         "--val_tokens=256", "--batch_tokens=1024"], False)
+    model = T.GPT(T.ModelConfig.of(args))
+    table = model.blocks[0].attn.rotary.cos
+    assert T.follow_yarn(model, 0, args) is None and T.follow_yarn(model, 391, args) is None
+    changes = [T.follow_yarn(model, step, args) for step in range(392, 1200)]
+    assert [c for c in changes if c is not None] == [(1, T.yarn_state(392, args)[1]), (2, T.yarn_state(784, args)[1]),
+                                                     (3, T.yarn_state(1175, args)[1])]
+    freqs, scale = T.yarn_state(1175, args)
+    positions = torch.arange(table.size(0), dtype=torch.float32)
+    assert model.blocks[0].attn.rotary.cos is table and torch.equal(table, torch.outer(positions, freqs).cos())
+    assert all(block.attn.scale == scale for block in model.blocks)
+    fresh = T.GPT(T.ModelConfig.of(args))
+    assert T.follow_yarn(fresh, 3000, args) == (3, scale)
+    assert all(torch.equal(a.attn.rotary.sin, b.attn.rotary.sin) for a, b in zip(model.blocks, fresh.blocks))
+
+
+def test_the_tools_run_a_checkpoint_at_its_steps_yarn_state_and_windows():
+    from pathlib import Path
+
+    from tools import loading
+    args = T.parse_args(["--preset=medium", "--compile=off", "--n_layer=2", "--model_dim=64", "--n_head=2",
+                         "--head_dim=32", "--value_embed_tables=1", "--seq_len=256", "--val_seq_len=256",
+                         "--val_tokens=256", "--batch_tokens=1024", "--dtype=fp32"], False)
+    state = T.GPT(T.ModelConfig.of(args)).state_dict()
+    for step, window, at in ((800, "step", 800), (300, "step", 300), (300, "final", 4740)):
+        loaded = loading.build(args, state, step, torch.device("cpu"), window, Path("ckpt"))
+        assert loaded.windows == T.attention_windows(at, args)
+        assert all(block.attn.scale == T.yarn_state(at, args)[1] for block in loaded.model.blocks), (step, window)
+    assert loaded.windows == (27, 11)

@@ -1,6 +1,7 @@
 """The attention windows: one schedule (attention_windows) and one per-layer pick (layer_windows) in one section of
 train_gpt.py, which every consumer calls; their values at the schedule's boundary steps for every preset."""
 import ast
+import dataclasses
 
 import pytest
 import torch
@@ -12,8 +13,10 @@ from conftest import REPO
 LINEAR_1770 = [(0, (1, 1)), (132, (2, 1)), (263, (3, 1)), (394, (4, 2)), (525, (5, 2)), (656, (6, 3)), (787, (7, 3)),
                (918, (8, 4)), (1049, (9, 4)), (1181, (10, 5)), (1312, (11, 5)), (1443, (12, 6)), (1574, (13, 6)),
                (1705, (14, 7))]
-MEDIUM_STAGES = [(0, (3, 1)), (395, (7, 3)), (790, (11, 5)), (1185, (13, 6)), (1580, (15, 7)), (1975, (17, 8)),
-                 (2370, (19, 9)), (2765, (21, 10)), (3160, (23, 11))]
+# M get_ws: int(12 * step / 4700) over the 4700 scheduled steps, (23, 11) through the extension, and the last
+# validation's long window 27 (ws_validate_post_yarn_ext, short min(11, 27 // 2)).
+MEDIUM_STAGES = [(0, (3, 1)), (392, (7, 3)), (784, (11, 5)), (1175, (13, 6)), (1567, (15, 7)), (1959, (17, 8)),
+                 (2350, (19, 9)), (2742, (21, 10)), (3134, (23, 11)), (4740, (27, 11))]
 BOUNDARIES = {
     ("speedrun", "reference"): LINEAR_1770,
     ("speedrun", "v2"): LINEAR_1770,
@@ -44,7 +47,7 @@ def test_each_layer_gets_its_half_of_the_pair():
                                                                                          7, 14, 7, 7, 7, 14]
     assert T.layer_windows((0, 1), roles) == [0, 1, 1, 1, 0, 1, 1, 0, 1, 1, 1, 0]
     medium = T.parse_args(["--preset=medium"], True)
-    assert T.layer_windows(T.attention_windows(4740, medium), T.LayerRoles.for_depth(16)) == [
+    assert T.layer_windows(T.attention_windows(4739, medium), T.LayerRoles.for_depth(16)) == [
         23, 11, 11, 11, 23, 11, 11, 11, 11, 11, 11, 23, 11, 11, 11, 23]
     full = T.parse_args(["--preset=speedrun", "--sliding_window=false"], True)
     assert {T.attention_windows(s, full) for s in (0, 885, 1770)} == {(2048, 1024)}
@@ -57,7 +60,8 @@ def test_each_layer_gets_its_half_of_the_pair():
 
 
 # What window arithmetic reads: the window flags, the layout's long-window layers, the pair's rule.
-WINDOW_NAMES = {"window_final_tokens", "window_stages", "short_window_cap", "sliding_window", "long_window"}
+WINDOW_NAMES = {"window_final_tokens", "window_stages", "short_window_cap", "sliding_window", "long_window",
+                "final_window_blocks"}
 WINDOW_CALLS = {"window_pair", "window_stage_blocks"}
 
 
@@ -112,3 +116,106 @@ def test_only_the_window_section_computes_windows_and_every_consumer_calls_it():
         assert not [name for name, node in functions(tree) if does_window_arithmetic(node)], path
     assert "attention_windows" in calls(ast.parse((REPO / "tools/loading.py").read_text()))
     assert torch.equal(T.window_tensor(4, short_cap=1), torch.tensor([4, 1]))  # the tests' helper: window_pair's
+
+
+# ----------------------------------------------------------------------------- track 2: token-exact windows
+
+def exact_reference_mask(tokens, window):
+    """The record's FA3 rule written out pair by pair: key j is seen by query q iff q - 128 * w <= j <= q, both in
+    one document (M L982-984: window_size=(128 * w, 0) over cu_seqlens)."""
+    n = tokens.numel()
+    docs = (tokens == T.EOT_TOKEN).cumsum(0).tolist()
+    return torch.tensor([[j <= q and q - 128 * window <= j and docs[j] == docs[q] for j in range(n)]
+                         for q in range(n)])
+
+
+def test_token_exact_windows_see_128_w_keys_and_the_query_itself():
+    tokens = torch.ones(1024, dtype=torch.int64)
+    mask = T.sliding_window_mask(tokens, torch.tensor(3), exact=True)
+    assert mask[1000].sum() == 3 * 128 + 1 and mask[1000, 1000 - 384] and not mask[1000, 1000 - 385]
+    blocks = T.sliding_window_mask(tokens, torch.tensor(3))  # whole blocks: (w-1)*128+1 .. w*128 keys
+    assert blocks[1000].sum() == 2 * 128 + 1000 % 128 + 1
+    assert T.first_key_in_window(1000, 3, exact=True) == 616 and T.first_key_in_window(1000, 3) == 640
+    assert T.first_key_in_window(100, 3, exact=True) == 0
+
+
+@pytest.mark.parametrize("window", [1, 2, 3, 8])
+def test_token_exact_masks_of_every_backend_are_the_records_rule(window):
+    """Dense, banded (its band one block wider, its chunks covering the extra key) and Flex (its block mask and
+    mask_mod) against the rule written out, at 6 blocks with documents starting mid-block."""
+    from test_model import tokens_with_docs
+    tokens = tokens_with_docs(768, [0, 200, 201, 450])
+    want = exact_reference_mask(tokens, window)
+    w = torch.tensor(window)
+    assert torch.equal(T.sliding_window_mask(tokens, w, exact=True), want)
+    banded = T.banded_window_mask(tokens, w, chunk_keys=2 * 128 * (window + 1), exact=True)
+    assert banded.band_blocks == min(window + 1, 6) and len(banded.chunks) > 1
+    got = torch.zeros_like(want)
+    for lo, hi, allowed in banded.chunks:
+        for i in range(lo, hi):
+            first = (i - banded.band_blocks + 1) * 128
+            for k_off in range(banded.band_blocks * 128):
+                if first + k_off >= 0:
+                    got[i * 128:(i + 1) * 128, first + k_off] = allowed[i - lo, 0, :, k_off]
+    assert torch.equal(got, want)
+    block_mask = T.sliding_window_block_mask(tokens, w, exact=True)
+    dense = block_mask.to_dense()[0, 0].bool()  # the blocks flex visits (full or partial)
+    q, kv = torch.arange(768)[:, None], torch.arange(768)[None, :]
+    visited = dense[q // 128, kv // 128]
+    assert not (want & ~visited).any()  # every allowed pair lies in a visited block
+    assert torch.equal(block_mask.mask_mod(0, 0, q, kv) & visited, want)
+    full_counts, full_idx = block_mask.full_kv_num_blocks[0, 0], block_mask.full_kv_indices[0, 0]
+    for qb in range(6):
+        for kb in full_idx[qb, :full_counts[qb]].tolist():  # a full block is allowed throughout
+            assert want[qb * 128:(qb + 1) * 128, kb * 128:(kb + 1) * 128].all()
+
+
+@pytest.mark.parametrize("window", [1, 2, 5])
+def test_token_exact_attention_forward_and_gradient_match_the_rule(window):
+    """Banded attention under the token-exact mask against float64 softmax attention under the written-out rule:
+    outputs and the gradients of q, k and v; Flex's forward too (its backward does not run on CPU)."""
+    import warnings
+
+    from test_model import attention_inputs, reference_attention, tokens_with_docs
+    tokens = tokens_with_docs(768, [0, 300, 301, 640])
+    want_mask = exact_reference_mask(tokens, window)
+    q, k, v = (t.requires_grad_() for t in attention_inputs(768, seed=window))
+    got = T.BandedAttention.attend(q, k, v, T.banded_window_mask(tokens, torch.tensor(window), exact=True), 0.1)
+    ref = reference_attention(q, k, v, want_mask, 0.1)
+    torch.testing.assert_close(got.double(), ref, atol=1e-5, rtol=1e-5)
+    weights = torch.randn(got.shape, dtype=torch.float64)
+    grads = torch.autograd.grad((got.double() * weights).sum(), (q, k, v))
+    ref_grads = torch.autograd.grad((ref * weights).sum(), (q, k, v))
+    for g, r in zip(grads, ref_grads):
+        torch.testing.assert_close(g.double(), r.double(), atol=1e-5, rtol=1e-5)
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile.*")
+        mask = T.sliding_window_block_mask(tokens, torch.tensor(window), exact=True)
+        flex = T.FlexAttention().attend(q.detach(), k.detach(), v.detach(), mask, 0.1)
+    torch.testing.assert_close(flex.double(), ref.detach(), atol=1e-5, rtol=1e-5)
+
+
+def test_the_model_and_its_kv_cache_apply_the_token_exact_rule():
+    """A tiny medium model: every layer's mask is the exact rule (the spy sees exact=True), and decoding through
+    the KV cache gives the full forward's logits (first_key_in_window reaches the extra key)."""
+    from test_model import tokens_with_docs
+    args = T.parse_args(["--preset=medium", "--compile=off", "--n_layer=2", "--model_dim=64", "--n_head=2",
+                         "--head_dim=32", "--value_embed_tables=1", "--smear=false", "--key_offset=false",
+                         "--dtype=fp32"], False)
+    assert args.token_exact_windows
+    model = T.GPT(T.ModelConfig.of(args)).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.2)
+    tokens = tokens_with_docs(512, [0, 200], vocab=1000)
+    window = T.window_tensor(1)
+    with torch.no_grad():
+        full = model.logits(tokens, window)[0]
+    cache = T.KVCache(model, window)
+    got = torch.stack([model.decode(tokens[:130], cache)] + [model.decode(tokens[i:i + 1], cache)
+                                                             for i in range(130, 400)])
+    torch.testing.assert_close(got, full[129:400], atol=2e-5, rtol=1e-5)
+    blocks = T.GPT(T.ModelConfig.of(dataclasses.replace(args, token_exact_windows=False))).eval()
+    blocks.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        assert not torch.allclose(blocks.logits(tokens, window)[0], full)  # the extra keys matter

@@ -130,7 +130,9 @@ def build(args: T.Hyperparameters, state: dict, step: int, device: torch.device,
         raise T.UsageError(f"{source}: the weights do not fit the model its hyperparameters describe ({detail})") \
             from None
     model.eval()
-    windows = T.attention_windows({"step": step, "final": args.num_iterations}[window], args)
+    at = {"step": step, "final": args.num_iterations}[window]
+    windows = T.attention_windows(at, args)
+    T.follow_yarn(model, at, args)  # track 2: the rotary tables and attention scale of that step
     return LoadedModel(model=model, args=args, step=step, windows=windows, source=source)
 
 
