@@ -254,7 +254,7 @@ def test_a_tiny_medium_trains_on_cpu_through_every_medium_only_path(tmp_path):
     assert small.returncode == 2 and small.stderr.count("\n") == 1
     assert "--preset=speedrun differs from checkpoint" in small.stderr and "a resumed run keeps its preset" in \
         small.stderr
-    meta_path = tmp_path / "m1" / "step_000012" / "checkpoint.json"
+    meta_path = tmp_path / "m1" / "step_000013" / "checkpoint.json"
     meta = json.loads(meta_path.read_text())
     del meta["hyperparameters"]["batch_sequences"]  # as the train_gpt.py before it wrote it
     meta_path.write_text(json.dumps(meta))

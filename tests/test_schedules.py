@@ -295,7 +295,8 @@ def test_the_medium_batch_is_the_records_get_bs_and_the_run_trains_its_tokens():
     for step, (_, batch, _) in M_BOUNDARY_VALUES.items():
         assert batches.tokens(step) == batch, step
     assert batches.tokens_before(M_STEPS) == sum(map(m_get_bs, range(M_STEPS))) == 2_176_974_848
-    assert batches.stage_accum[:4] == (1, 2, 3, 4)
+    assert batches.stage_accum[:4] == (1, 1, 1, 1)  # one packed buffer per GPU on 8 (M L1351)
+    assert batches.stage_seq_len[:4] == (16384, 32768, 49152, 65536)
 
 
 def test_the_medium_muon_momentum_warms_up_and_cools_down_as_the_records():
@@ -349,7 +350,7 @@ def test_the_model_follows_yarn_in_place_and_a_fresh_model_at_a_step_rebuilds_th
     afresh and brought to a later step (a resumed run, a tool) holds exactly the same tables and scales."""
     args = T.parse_args(["--preset=medium", "--compile=off", "--n_layer=2", "--model_dim=64", "--n_head=2",
                          "--head_dim=32", "--value_embed_tables=1", "--seq_len=256", "--val_seq_len=256",
-                         "--val_tokens=256", "--batch_tokens=1024"], False)
+                         "--val_tokens=256", "--batch_tokens=1024", "--batch_sequences=0"], False)
     model = T.GPT(T.ModelConfig.of(args))
     table = model.blocks[0].attn.rotary.cos
     assert T.follow_yarn(model, 0, args) is None and T.follow_yarn(model, 391, args) is None
@@ -371,7 +372,7 @@ def test_the_tools_run_a_checkpoint_at_its_steps_yarn_state_and_windows():
     from tools import loading
     args = T.parse_args(["--preset=medium", "--compile=off", "--n_layer=2", "--model_dim=64", "--n_head=2",
                          "--head_dim=32", "--value_embed_tables=1", "--seq_len=256", "--val_seq_len=256",
-                         "--val_tokens=256", "--batch_tokens=1024", "--dtype=fp32"], False)
+                         "--val_tokens=256", "--batch_tokens=1024", "--batch_sequences=0", "--dtype=fp32"], False)
     state = T.GPT(T.ModelConfig.of(args)).state_dict()
     for step, window, at in ((800, "step", 800), (300, "step", 300), (300, "final", 4740)):
         loaded = loading.build(args, state, step, torch.device("cpu"), window, Path("ckpt"))
