@@ -128,6 +128,12 @@ BAD_VALUES = {  # field: (a value just inside the valid range, values outside it
     # track 2's techniques (the medium preset)
     "value_embed_tables": ("1", ["0", "-3"]), "attention_free_layer": ("false", ["x"]), "short_window_cap": ("0", ["-1"]),
     "window_stages": ("3,7", ["0", "3,x", "-1,2"]),
+    "pad_embed_tables": ("true", ["x"]), "skip_connections": ("2>5,1>4", ["6", "2>x", "2>5,1>5", "-1>2"]),
+    "skip_sigmoid": ("true", ["x"]), "gate_dims": ("16", ["0", "-1"]), "second_embed": ("true", ["x"]),
+    "residual_lambda_init": ("1.05", ["nan", "inf"]), "attn_output_lambda": ("true", ["x"]),
+    "cross_document_shifts": ("true", ["x"]), "qkv_init_gain": ("1", ["-1", "nan"]),
+    "head_init_std": ("0.005", ["-0.1", "inf"]), "value_embed_zero_init": ("true", ["x"]),
+    "bf16_rotary": ("true", ["x"]), "bf16_train_logits": ("true", ["x"]), "loss_sum": ("true", ["x"]),
 }
 
 
@@ -209,6 +215,8 @@ UNUSED = {
     "adam_cautious_wd": ["--adam_cautious_wd=0.1"], "bigram_dim": ["--bigram_dim=32"],
     "mtp_frac": ["--mtp_frac=0.5"], "value_embed_tables": ["--value_embeds=false", "--value_embed_tables=5"],
     "short_window_cap": ["--sliding_window=false", "--short_window_cap=4"],
+    "skip_connections": ["--unet_skips=false", "--skip_connections=2>5"],
+    "skip_sigmoid": ["--unet_skips=false", "--skip_sigmoid=true"],
 }
 
 
