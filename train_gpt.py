@@ -167,6 +167,31 @@ class Hyperparameters:
                                       "2025-08-28_Medium_NewValemb: five")
     attention_free_layer: bool = flag(True, "R: the layer after the middle (7 of 12) has an MLP and no attention; "
                                             "track 2, 2025-12-31_BulkSmallTrackTransfer: every layer attends")
+    pad_embed_tables: bool = flag(False, "track 2, 2025-12-31_BulkSmallTrackTransfer: the token and value-embedding "
+                                         "tables have the head's padded rows (M L1046, L1061); rows past the "
+                                         "vocabulary are never read")
+    skip_connections: str = flag("", "same record: U-net skips as 'a>b,...', the stream after block a added before "
+                                     "block b (M L1127-1128: 6>9,4>10,2>11); empty: each encoder block to its mirror")
+    skip_sigmoid: bool = flag(False, "same record: a skip's weight is sigmoid(lambda), lambda from -1.5 (M L1096, "
+                                     "L1179); false: the weight itself, from 1")
+    gate_dims: int = flag(12, "the stream's first dims every gate reads (attention, value-embedding, skip, smear): "
+                              "12 (2025-08-23_SparseAttnGate, GATE_DIMS); track 2: 16 (M L1048, L1053)")
+    second_embed: bool = flag(False, "track 2 (M L1079-1080, L1164, L1183-1185): a second token embedding, normed, "
+                                     "that every layer adds at a learned weight from 0")
+    residual_lambda_init: float = flag(1.0, "the stream's weight in each layer's mix at init (M L1092: 1.05)")
+    attn_output_lambda: bool = flag(False, "M L988, L1093: a learned scalar (from 1) on every attention's output "
+                                           "projection; the value embedding then enters v unscaled (M L977)")
+    cross_document_shifts: bool = flag(False, "M L971-974, L1159-1162, L1213-1219: smear, key offset and the "
+                                              "multi-token targets read across document boundaries (only the "
+                                              "sequence's ends stop them)")
+    qkv_init_gain: float = flag(0.5, "R: Q, K, V uniform with std gain / sqrt(model_dim); M L935-936: 1")
+    head_init_std: float = flag(0.0, "M L1072-1073: the head starts N(0, std) (0.005); 0: --zero_init decides")
+    value_embed_zero_init: bool = flag(False, "M L1062-1063: the value-embedding tables start at zero")
+    bf16_rotary: bool = flag(False, "M L881-886, L902-911: rotary's cos/sin tables and the rotation in bf16")
+    bf16_train_logits: bool = flag(False, "M L1204-1221: the training loss's softcap, logsumexp and cross-entropy "
+                                          "on bf16 logits (validation stays fp32, M L1196-1202)")
+    loss_sum: bool = flag(False, "M L1213-1221: the training loss is summed over the sequence's tokens, not "
+                                 "averaged (validation: the mean); the logged train loss is per token")
     short_window_cap: int = flag(0, "track 2, 2025-12-31_BulkSmallTrackTransfer: the short window is at most this "
                                     "many blocks (11); 0: half the long window, as R")
     logit_offset: float = flag(0.0, "2025-12-26_LogitRescale: softcap * sigmoid((logits + offset) / "
@@ -274,6 +299,12 @@ PRESETS = {
         head_lr=0.008, embed_lr=0.6, scalar_lr=0.08, adam_eps=1e-8,  # M: 0.004 x 2.0; value embeds x 75; scalars x 5
         scalar_adam_beta1=0.9, scalar_adam_beta2=0.99,  # M L1485
         smear=True, attn_gate=True, ve_gates=True, skip_gates=True, backout=True, key_offset=True,
+        pad_embed_tables=True, gate_dims=16, second_embed=True,  # M L1046 (tables of 50,304), L1048, L1079-1080
+        skip_connections="6>9,4>10,2>11", skip_sigmoid=True,  # M L1127-1128, L1096 (lambda -1.5), L1179
+        residual_lambda_init=1.05, attn_output_lambda=True,  # M L1092; L988, L1093
+        cross_document_shifts=True,  # M L971-974 (key offset), L1159-1162 (smear), L1213-1219 (MTP targets)
+        qkv_init_gain=1.0, head_init_std=0.005, value_embed_zero_init=True,  # M L935-936, L1072-1073, L1062-1063
+        bf16_rotary=True, bf16_train_logits=True, loss_sum=True,  # M L881-886, L1204-1221 (summed, bf16 logits)
         logit_softcap=23.0, logit_offset=5.0, mtp_tokens=3, mtp_frac=0.25,  # M L1203; MTP in the first quarter
         fp8_head=False, coordinate_descent_tuning=False,  # M L845 (FP8 head off), L28 (commented out)
         target_val_loss=2.92,  # the track's target
@@ -839,13 +870,16 @@ def yarn_rescaled(freqs: Tensor, scale: float, old: int, new: int) -> tuple[Tens
 
 
 class Rotary(nn.Module):
-    """Rotary embedding on half the head dimension; the other half's frequencies are zero (not rotated)."""
+    """Rotary embedding on half the head dimension; the other half's frequencies are zero (not rotated).
+    bf16: the tables are stored in bf16 and the rotation runs in the activations' dtype (M L881-886, L902-911);
+    otherwise both are fp32 (R)."""
 
-    def __init__(self, head_dim: int, max_seq_len: int):
+    def __init__(self, head_dim: int, max_seq_len: int, bf16: bool = False):
         super().__init__()
+        self.table_dtype = torch.bfloat16 if bf16 else torch.float32
         theta = torch.outer(torch.arange(max_seq_len, dtype=torch.float32), rotary_frequencies(head_dim))
-        self.register_buffer("cos", theta.cos(), persistent=False)
-        self.register_buffer("sin", theta.sin(), persistent=False)
+        self.register_buffer("cos", theta.cos().to(self.table_dtype), persistent=False)
+        self.register_buffer("sin", theta.sin().to(self.table_dtype), persistent=False)
 
     @torch.no_grad()
     def set_frequencies(self, freqs: Tensor) -> None:
@@ -858,6 +892,10 @@ class Rotary(nn.Module):
     def forward(self, x: Tensor, offset: int = 0) -> Tensor:  # (B, T, H, D) at positions offset, offset + 1, ...
         positions = slice(offset, offset + x.size(1))
         cos, sin = self.cos[None, positions, None, :], self.sin[None, positions, None, :]
+        if self.table_dtype != torch.float32:  # M: x1 * cos + x2 * sin, x2 * cos - x1 * sin in bf16
+            cos, sin = cos.type_as(x), sin.type_as(x)
+            x1, x2 = x.chunk(2, dim=-1)
+            return torch.cat((x1 * cos + x2 * sin, x2 * cos - x1 * sin), dim=-1)
         x1, x2 = x.float().chunk(2, dim=-1)
         return torch.cat((x1 * cos + x2 * sin, x2 * cos - x1 * sin), dim=-1).type_as(x)
 
@@ -901,6 +939,20 @@ class ModelConfig:
     logit_offset: float
     value_embed_tables: int
     attention_free_layer: bool
+    pad_embed_tables: bool
+    skip_connections: str
+    skip_sigmoid: bool
+    gate_dims: int
+    second_embed: bool
+    residual_lambda_init: float
+    attn_output_lambda: bool
+    cross_document_shifts: bool
+    qkv_init_gain: float
+    head_init_std: float
+    value_embed_zero_init: bool
+    bf16_rotary: bool
+    bf16_train_logits: bool
+    loss_sum: bool
     short_window_cap: int
     token_exact_windows: bool
     max_seq_len: int  # the longer of training and validation sequences
@@ -912,24 +964,29 @@ class ModelConfig:
 
 
 def sigmoid_gate(x: Tensor, weight: Tensor) -> Tensor:
-    """sigmoid(x[..., :GATE_DIMS] @ weight.T): one gate per row of weight, read from the stream's first dims."""
-    return torch.sigmoid(F.linear(x[..., :GATE_DIMS], weight.type_as(x)))
+    """sigmoid(x[..., :G] @ weight.T) for a (gates, G) weight: one gate per row, read from the stream's first G
+    dims (--gate_dims)."""
+    return torch.sigmoid(F.linear(x[..., :weight.size(-1)], weight.type_as(x)))
 
 
-def previous_in_document(x: Tensor, doc_start: Tensor) -> Tensor:
+def previous_in_document(x: Tensor, doc_start: Tensor | None) -> Tensor:
     """x (1, T, ...) shifted one position later along T: each position gets the previous token's value, and a
-    document's first token gets zeros, so nothing crosses a document start (smear, key offset)."""
+    document's first token gets zeros, so nothing crosses a document start (smear, key offset). doc_start None
+    (--cross_document_shifts, M L1161): only the sequence's first position gets zeros."""
     previous = F.pad(x[:, :-1], (0, 0) * (x.dim() - 2) + (1, 0))
-    return previous * ~doc_start.view(1, -1, *[1] * (x.dim() - 2))
+    return previous if doc_start is None else previous * ~doc_start.view(1, -1, *[1] * (x.dim() - 2))
 
 
-def offset_stationary_keys(k: Tensor, doc_start: Tensor) -> Tensor:
+def offset_stationary_keys(k: Tensor, doc_start: Tensor | None) -> Tensor:
     """2025-12-14_PartialKeyOffset: each key's stationary rotary dims (D/4..D/2 and 3D/4..D, which rotary
     leaves unrotated) are replaced by the previous token's, so one key can answer for two positions (1-layer
-    induction). A document's first token gets zeros there: nothing crosses a document start."""
+    induction). A document's first token gets zeros there: nothing crosses a document start. doc_start None
+    (--cross_document_shifts, M L971-974): every position but the sequence's first takes the previous key's
+    dims, across documents; the first keeps its own."""
     dim = torch.arange(k.size(-1), device=k.device)
     stationary = dim % (k.size(-1) // 2) >= k.size(-1) // 4
-    return torch.where(stationary, previous_in_document(k, doc_start), k)
+    previous = torch.cat([k[:, :1], k[:, :-1]], dim=1) if doc_start is None else previous_in_document(k, doc_start)
+    return torch.where(stationary, previous, k)
 
 
 def pair_heads(t: Tensor) -> Tensor:
@@ -957,16 +1014,19 @@ class CausalSelfAttention(nn.Module):
         super().__init__()
         dim, hdim = cfg.model_dim, cfg.n_head * cfg.head_dim
         self.n_head, self.head_dim, self.scale, self.qk_norm = cfg.n_head, cfg.head_dim, cfg.attn_scale, cfg.qk_norm
-        self.paired, self.key_offset = paired, key_offset
-        bound = math.sqrt(3) * 0.5 / math.sqrt(dim)
+        self.paired, self.key_offset, self.output_lambda = paired, key_offset, cfg.attn_output_lambda
+        bound = math.sqrt(3) * cfg.qkv_init_gain / math.sqrt(dim)  # uniform with std gain/sqrt(dim)
         self.qkv_w = nn.Parameter(torch.empty(3, hdim, dim).uniform_(-bound, bound))  # Q, K, V kept apart for Muon
-        # 2025-12-29_VeSkipGates: with the gate, the value embedding enters at the gate's weight alone (lambda 1)
-        self.lambdas = nn.Parameter(torch.tensor([0.5, 1.0 if cfg.ve_gates else 0.5] if uses_value_embed else [0.5]))
+        # 2025-12-29_VeSkipGates: with the gate, the value embedding enters at the gate's weight alone (lambda 1).
+        # M L1093: (v's 0.5, the output projection's 1.0) in every layer, the value embedding unscaled.
+        self.lambdas = nn.Parameter(torch.tensor([0.5, 1.0] if cfg.attn_output_lambda else
+                                                 [0.5, 1.0 if cfg.ve_gates else 0.5] if uses_value_embed else [0.5]))
         # paired heads rotate at their interleaved positions, so a pair's two heads sit half a token apart
-        self.rotary = Rotary(cfg.head_dim, cfg.max_seq_len * (2 if paired else 1))
+        self.rotary = Rotary(cfg.head_dim, cfg.max_seq_len * (2 if paired else 1), cfg.bf16_rotary)
         self.c_proj = CastedLinear(hdim, dim, zero_init=cfg.zero_init)
-        self.attn_gate = nn.Parameter(torch.zeros(cfg.n_head, GATE_DIMS)) if cfg.attn_gate else None
-        self.ve_gate = nn.Parameter(torch.zeros(cfg.n_head, GATE_DIMS)) if cfg.ve_gates and uses_value_embed else None
+        gates = cfg.gate_dims
+        self.attn_gate = nn.Parameter(torch.zeros(cfg.n_head, gates)) if cfg.attn_gate else None
+        self.ve_gate = nn.Parameter(torch.zeros(cfg.n_head, gates)) if cfg.ve_gates and uses_value_embed else None
 
     def forward(self, x: Tensor, ve: Tensor | None, attend, offset: int = 0, doc_start: Tensor | None = None) -> Tensor:
         """attend(q, k, v, scale): this layer's attention (attention_with, or KVCache.layer when decoding)."""
@@ -977,7 +1037,7 @@ class CausalSelfAttention(nn.Module):
             q, k = rms_norm(q), rms_norm(k)
         if self.ve_gate is not None:
             ve = ve.view_as(v) * (NEUTRAL_GATE_SCALE * sigmoid_gate(x, self.ve_gate))[..., None]
-        v = self.lambdas[0] * v if ve is None else self.lambdas[0] * v + self.lambdas[1] * ve.view_as(v)
+        v = self.lambdas[0] * v if ve is None else self.lambdas[0] * v + self.value_embed_scale() * ve.view_as(v)
         if self.paired:
             q, k, v = pair_heads(q), pair_heads(k), pair_heads(v)
             offset = 2 * offset
@@ -989,7 +1049,19 @@ class CausalSelfAttention(nn.Module):
             y = unpair_heads(y)
         if self.attn_gate is not None:
             y = y * sigmoid_gate(x, self.attn_gate)[..., None]
-        return self.c_proj(y.reshape(B, T, -1))
+        return self.project_out(y.reshape(B, T, -1))
+
+    def value_embed_scale(self) -> Tensor | float:
+        """The value embedding's weight in v: the learned lambda, or 1 where the second lambda scales the output
+        projection instead (M L977)."""
+        return 1.0 if self.output_lambda else self.lambdas[1]
+
+    def project_out(self, y: Tensor) -> Tensor:
+        """The output projection; with --attn_output_lambda its weight times the second lambda, pre-multiplied as
+        the record does (M L988)."""
+        if self.output_lambda:
+            return F.linear(y, (self.lambdas[1] * self.c_proj.weight).type_as(y))
+        return self.c_proj(y)
 
 
 class MLP(nn.Module):
@@ -1010,12 +1082,18 @@ class Block(nn.Module):
                                          paired=roles.paired_heads[layer], key_offset=roles.key_offset[layer])
                      if roles.attention[layer] else None)
         self.mlp = MLP(cfg)
-        self.lambdas = nn.Parameter(torch.tensor([1.0, 0.0]))  # mix of the stream and the embedding x0
+        # mix of the stream and the embedding x0 (M L1092: the stream's weight starts at 1.05)
+        self.lambdas = nn.Parameter(torch.tensor([cfg.residual_lambda_init, 0.0]))
+        self.x02_lambda = nn.Parameter(torch.zeros(1)) if cfg.second_embed else None  # M L1083: from 0
         self.bigram_lambda = nn.Parameter(torch.tensor([BIGRAM_LAMBDA_INIT])) if cfg.bigram_vocab_size else None
 
     def forward(self, x: Tensor, x0: Tensor, ve: Tensor | None, attend, offset: int = 0,
-                doc_start: Tensor | None = None, bigram: Tensor | None = None) -> Tensor:
+                doc_start: Tensor | None = None, bigram: Tensor | None = None, x02: Tensor | None = None) -> Tensor:
+        """doc_start: where the key offset stops (None: only at the sequence's start); x02: the second
+        embedding (--second_embed), mixed in at x02_lambda as M L1185 does."""
         x = self.lambdas[0] * x + self.lambdas[1] * x0
+        if x02 is not None:
+            x = x + self.x02_lambda[0] * x02
         if bigram is not None:
             x = x + self.bigram_lambda[0] * bigram  # [0]: a 0-dim factor keeps x in bf16
         if self.attn is not None:
@@ -1065,6 +1143,31 @@ def smear(x: Tensor, gate: Tensor, doc_start: Tensor) -> Tensor:
     return x + gate * previous_in_document(x, doc_start)
 
 
+SKIP_LAMBDA_INIT = -1.5  # track 2, M L1096: a skip starts at weight sigmoid(-1.5) = 0.18
+
+
+def skip_pairs(spec: str) -> tuple[tuple[int, int], ...] | None:
+    """--skip_connections 'a>b,...' as (a, b) pairs ordered by b (the order of their weights and gates, M's
+    skip_idx); None where the text is not such a list or names a target twice."""
+    pairs = []
+    for item in spec.split(","):
+        parts = item.strip().split(">")
+        if len(parts) != 2 or not all(p.strip().isdigit() for p in parts):
+            return None
+        pairs.append((int(parts[0]), int(parts[1])))
+    targets = [b for _, b in pairs]
+    return tuple(sorted(pairs, key=lambda pair: pair[1])) if len(set(targets)) == len(targets) else None
+
+
+def unet_skips(cfg: ModelConfig) -> tuple[tuple[int, int], ...]:
+    """The U-net skips as (from, into) pairs: the stream after block `from` is added before block `into`. R: each
+    encoder block feeds its mirror (the last encoder block the first decoder block, and so on)."""
+    if cfg.skip_connections:
+        return skip_pairs(cfg.skip_connections)
+    n_enc = cfg.n_layer // 2
+    return tuple((n_enc - 1 - j, n_enc + j) for j in range(n_enc))
+
+
 class GPT(nn.Module):
     """The model of a ModelConfig. What the machine decides comes in from build_model: the attention backend
     (attention_backend: banded or flex, compile_attention), the FP8 head's kernels (fp8_kernels: None for none,
@@ -1082,9 +1185,13 @@ class GPT(nn.Module):
         self.backend = attention_backend(attention, compile_attention)
         self.vocab_size, self.unet = cfg.vocab_size, cfg.unet_skips
         self.softcap = Softcap(cfg.logit_softcap, cfg.logit_temperature, cfg.logit_offset)
-        self.embed = nn.Embedding(cfg.vocab_size, cfg.model_dim)
-        self.value_embeds = nn.ModuleList(nn.Embedding(cfg.vocab_size, cfg.model_dim)
-                                          for _ in range(self.roles.n_value_embeds))
+        rows = next_multiple(cfg.vocab_size, 128) if cfg.pad_embed_tables else cfg.vocab_size  # M L1046: the head's
+        self.embed = nn.Embedding(rows, cfg.model_dim)
+        self.value_embeds = nn.ModuleList(nn.Embedding(rows, cfg.model_dim) for _ in range(self.roles.n_value_embeds))
+        if cfg.value_embed_zero_init:
+            for table in self.value_embeds:
+                nn.init.zeros_(table.weight)  # M L1062-1063
+        self.embed2 = nn.Embedding(rows, cfg.model_dim) if cfg.second_embed else None  # N(0, 1), M L1079
         bigram_dim = cfg.bigram_dim or cfg.model_dim
         self.bigram_embed = nn.Embedding(cfg.bigram_vocab_size, bigram_dim) if cfg.bigram_vocab_size else None
         if self.bigram_embed is not None:
@@ -1092,13 +1199,19 @@ class GPT(nn.Module):
         self.register_buffer("bigram_signs", bigram_sign_table(bigram_dim) if cfg.bigram_sign else None,
                              persistent=False)
         self.blocks = nn.ModuleList(Block(cfg, i, self.roles) for i in range(cfg.n_layer))
-        self.skip_weights = nn.Parameter(torch.ones(self.roles.n_encoder)) if cfg.unet_skips else None
-        self.skip_gate = nn.Parameter(torch.zeros(self.roles.n_encoder, GATE_DIMS)) if cfg.skip_gates else None
-        self.smear_gate = nn.Parameter(torch.zeros(1, GATE_DIMS)) if cfg.smear else None
+        self.skips = unet_skips(cfg) if cfg.unet_skips else ()  # (from, into) block pairs, by their target
+        plain_skips = cfg.unet_skips and not cfg.skip_sigmoid
+        self.skip_weights = nn.Parameter(torch.ones(len(self.skips))) if plain_skips else None
+        self.skip_lambdas = (nn.Parameter(torch.full((len(self.skips),), SKIP_LAMBDA_INIT))
+                             if cfg.unet_skips and cfg.skip_sigmoid else None)
+        self.skip_gate = nn.Parameter(torch.zeros(len(self.skips), cfg.gate_dims)) if cfg.skip_gates else None
+        self.smear_gate = nn.Parameter(torch.zeros(1, cfg.gate_dims)) if cfg.smear else None
         self.smear_lambda = nn.Parameter(torch.zeros(1)) if cfg.smear else None  # the record: no smear at first
         self.backout_lambda = nn.Parameter(torch.tensor([BACKOUT_LAMBDA_INIT])) if cfg.backout else None
         self.lm_head = CastedLinear(cfg.model_dim, next_multiple(cfg.vocab_size, 128), zero_init=cfg.zero_init,
                                     fp8=fp8_kernels)
+        if cfg.head_init_std:
+            nn.init.normal_(self.lm_head.weight, mean=0.0, std=cfg.head_init_std)  # M L1073
 
     def forward(self, tokens: Tensor, targets: Tensor, windows: Tensor, mtp_weights: Tensor | None = None) -> Tensor:
         """Mean cross-entropy of one flat sequence (T,) of documents. windows: the (long, short) window
@@ -1109,14 +1222,16 @@ class GPT(nn.Module):
         if not torch.compiler.is_compiling():
             check_model_inputs(tokens, targets, windows, self.vocab_size)
         if mtp_weights is not None:
-            targets = multi_token_targets(targets, mtp_weights.numel())
+            targets = multi_token_targets(targets, mtp_weights.numel(), self.config.cross_document_shifts)
+        # M's training form (bf16 logits, summed) in training mode; validation (eval) takes the fp32 mean
+        form = LossForm(self.config.bf16_train_logits, self.config.loss_sum) if self.training else LossForm()
         # Validation (eval, no grad) too: its 262K-token sequence would otherwise hold 26 GB of bf16 logits.
         if self.loss.chunked or not (self.training or torch.is_grad_enabled()):
             return chunked_head_loss(self.final_hidden(tokens, windows)[0], self.lm_head.weight, targets,
-                                     self.softcap, self.loss.chunk, mtp_weights)
+                                     self.softcap, self.loss.chunk, mtp_weights, form)
         if mtp_weights is not None:
-            return multi_token_cross_entropy(self.logits(tokens, windows), targets, mtp_weights, self.softcap)
-        return self.loss.full(self.logits(tokens, windows), targets, self.softcap)
+            return multi_token_cross_entropy(self.logits(tokens, windows), targets, mtp_weights, self.softcap, form)
+        return self.loss.full(self.logits(tokens, windows), targets, self.softcap, form)
 
     def logits(self, tokens: Tensor, windows: Tensor) -> Tensor:
         """Head outputs (1, T, padded vocab) before the softcap: the forward pass without the loss."""
@@ -1138,34 +1253,42 @@ class GPT(nn.Module):
 
     def trunk(self, tokens: Tensor, layer_attention: list, offset: int = 0) -> Tensor:
         """Embeddings through every block (value embeddings, x0 mixing, U-net skips): the residual stream."""
-        doc_start = tokens == EOT_TOKEN
+        # where smear and the key offset stop: document starts, or (M) the sequence's start alone
+        doc_start = None if self.config.cross_document_shifts else tokens == EOT_TOKEN
         ve = [emb(tokens)[None] for emb in self.value_embeds]
         x = self.embed(tokens)[None]
         if self.smear_gate is not None:
             x = smear(x, self.smear_lambda[0] * sigmoid_gate(x, self.smear_gate), doc_start)
         x = x0 = rms_norm(x)
+        x02 = rms_norm(self.embed2(tokens)[None]) if self.embed2 is not None else None  # M L1164
         bigram = None
         if self.bigram_embed is not None:
             bigram = self.bigram_embed(bigram_rows(tokens, self.bigram_embed.num_embeddings))[None]
             if self.bigram_signs is not None:
                 bigram = bigram * self.bigram_signs[bigram_sign_rows(tokens)].type_as(bigram)
             bigram = F.pad(bigram, (0, x.size(-1) - bigram.size(-1)))  # into the stream's first bigram_dim dims
-        skips, backout = [], None
+        into = {b: j for j, (_, b) in enumerate(self.skips)}
+        sources, saved, backout = {a for a, _ in self.skips}, {}, None
         for i, block in enumerate(self.blocks):
             if i == self.roles.backout_layer:
                 backout = x
-            if self.unet and i >= self.roles.n_encoder:
-                j = i - self.roles.n_encoder
-                weight = (self.skip_weights[j] if self.skip_gate is None
-                          else self.skip_weights[j] * NEUTRAL_GATE_SCALE * sigmoid_gate(x0, self.skip_gate[j:j + 1]))
-                x = x + weight * skips.pop()
+            if i in into:
+                x = x + self.skip_weight(into[i], x0) * saved[self.skips[into[i]][0]]
             ve_i = self.roles.value_embed[i]
-            x = block(x, x0, None if ve_i is None else ve[ve_i], layer_attention[i], offset, doc_start, bigram)
-            if self.unet and i < self.roles.n_encoder:
-                skips.append(x)
+            x = block(x, x0, None if ve_i is None else ve[ve_i], layer_attention[i], offset, doc_start, bigram, x02)
+            if i in sources:
+                saved[i] = x
         if backout is not None:
             x = x - self.backout_lambda[0] * backout
         return x
+
+    def skip_weight(self, j: int, x0: Tensor) -> Tensor:
+        """Skip j's weight: its learned weight, or sigmoid of its lambda (--skip_sigmoid, M L1179), times the gate
+        2 * sigmoid(W_j x0[:gate_dims]) with --skip_gates."""
+        weight = torch.sigmoid(self.skip_lambdas[j]) if self.skip_lambdas is not None else self.skip_weights[j]
+        if self.skip_gate is None:
+            return weight
+        return weight * NEUTRAL_GATE_SCALE * sigmoid_gate(x0, self.skip_gate[j:j + 1])
 
     @property
     def decodes_from_history(self) -> bool:
@@ -1296,39 +1419,68 @@ class Softcap(typing.NamedTuple):
     offset: float = 0.0
 
 
-def apply_softcap(logits: Tensor, softcap: Softcap) -> Tensor:
-    """fp32 logits squashed into (0, cap)."""
-    logits = logits.float()
+class LossForm(typing.NamedTuple):
+    """How the training loss is taken (validation always takes the default): on bf16 logits (M L1204-1221: the
+    softcap, logsumexp and cross-entropy in bf16), and summed over the tokens rather than averaged (M L1213-1221)."""
+    bf16_logits: bool = False
+    summed: bool = False
+
+
+def apply_softcap(logits: Tensor, softcap: Softcap, keep_dtype: bool = False) -> Tensor:
+    """fp32 logits squashed into (0, cap); keep_dtype: in the logits' own dtype (bf16 training logits)."""
+    logits = logits if keep_dtype else logits.float()
     if softcap.cap > 0:
         shifted = logits + softcap.offset if softcap.offset else logits
         logits = softcap.cap * torch.sigmoid(shifted / softcap.temperature)
     return logits
 
 
-def softcapped_cross_entropy(logits: Tensor, targets: Tensor, softcap: Softcap) -> Tensor:
-    """Mean cross-entropy of the softcapped fp32 logits."""
+def token_losses(capped: Tensor, targets: Tensor) -> Tensor:
+    """logsumexp(z) - z[target] of softcapped logits (rows, V) against each column of targets (rows, K), in the
+    logits' dtype as M computes it on bf16 logits (L1216-1217); 0 where a target is ignored (-100)."""
+    valid = targets != -100
+    lse = torch.logsumexp(capped, dim=-1, keepdim=True)
+    return torch.where(valid, lse - capped.gather(1, torch.where(valid, targets, 0)), 0.0)
+
+
+def softcapped_cross_entropy(logits: Tensor, targets: Tensor, softcap: Softcap, form: LossForm = LossForm()) -> Tensor:
+    """Mean (form.summed: summed) cross-entropy of the softcapped fp32 (form.bf16_logits: bf16) logits."""
+    if form.bf16_logits:
+        losses = token_losses(apply_softcap(logits, softcap, keep_dtype=True).view(-1, logits.size(-1)),
+                              targets.view(-1, 1)).float()
+        return losses.sum() if form.summed else losses.sum() / (targets != -100).sum().clamp_min(1)
     logits = apply_softcap(logits, softcap)
-    return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+    return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1),
+                           reduction="sum" if form.summed else "mean")
 
 
-def multi_token_targets(targets: Tensor, n: int) -> Tensor:
+def multi_token_targets(targets: Tensor, n: int, across_documents: bool = False) -> Tensor:
     """(T,) next-token targets -> (T, n): column k is the token k+1 places after the next, ignored (-100)
-    past the sequence's end and once a document has ended (an EOT target) before it."""
+    past the sequence's end and once a document has ended (an EOT target) before it; across_documents
+    (--cross_document_shifts, M L1213-1218): only past the sequence's end."""
     columns, ended = [targets], torch.zeros_like(targets, dtype=torch.bool)
     for k in range(1, n):
-        ended = ended | (columns[-1] == EOT_TOKEN)
+        if not across_documents:
+            ended = ended | (columns[-1] == EOT_TOKEN)
         later = F.pad(targets[k:], (0, k), value=-100)
         columns.append(torch.where(ended, -100, later))
     return torch.stack(columns, dim=1)
 
 
-def multi_token_cross_entropy(logits: Tensor, targets: Tensor, weights: Tensor, softcap: Softcap) -> Tensor:
+def multi_token_cross_entropy(logits: Tensor, targets: Tensor, weights: Tensor, softcap: Softcap,
+                              form: LossForm = LossForm()) -> Tensor:
     """2025-12-22_MultiTokenPrediction: sum_k weights[k] * (mean cross-entropy of column k of targets), every
-    column scored by the same softcapped logits (the record sums the weighted losses, it does not average them)."""
-    capped = apply_softcap(logits, softcap).view(-1, logits.size(-1))
+    column scored by the same softcapped logits (the record sums the weighted losses, it does not average them).
+    form.summed: sum_k weights[k] * (summed cross-entropy of column k) (M L1219); form.bf16_logits: on bf16
+    logits."""
     counts = (targets != -100).sum(0).clamp_min(1)
-    sums = torch.stack([F.cross_entropy(capped, targets[:, k], reduction="sum") for k in range(targets.size(1))])
-    return (sums / counts * weights).sum()
+    if form.bf16_logits:
+        capped = apply_softcap(logits, softcap, keep_dtype=True).view(-1, logits.size(-1))
+        sums = token_losses(capped, targets).float().sum(0)
+    else:
+        capped = apply_softcap(logits, softcap).view(-1, logits.size(-1))
+        sums = torch.stack([F.cross_entropy(capped, targets[:, k], reduction="sum") for k in range(targets.size(1))])
+    return (sums * weights).sum() if form.summed else (sums / counts * weights).sum()
 
 
 HEAD_CHUNK_ROWS = 512  # rows of fp32 logits alive at once in the chunked head + loss (at least)
@@ -1342,21 +1494,29 @@ def head_chunks(n_rows: int) -> list[slice]:
 
 
 def softcapped_cross_entropy_chunk(logits: Tensor, targets: Tensor, softcap: Softcap, scales: Tensor,
-                                   with_grad: bool) -> tuple[Tensor, Tensor | None]:
+                                   with_grad: bool, bf16_logits: bool = False) -> tuple[Tensor, Tensor | None]:
     """softcapped_cross_entropy of some rows against each column of targets (rows, K), summed per column
     (not averaged), and in closed form the gradient of sum_k scales[k] * (column k's sum) to the logits.
 
     The gradient is cast to the logits' dtype as autograd would. With one column and scales = 1 / count it is
-    d(mean loss)/d(logits) = (softmax - onehot) / count, times cap * s' / temperature.
+    d(mean loss)/d(logits) = (softmax - onehot) / count, times cap * s' / temperature. bf16_logits: the loss is
+    the plain path's on bf16 logits (token_losses), and the gradient's softmax is taken from its bf16 softcapped
+    logits and logsumexp, as autograd's would be.
     """
     z = logits.float()
     sig = (torch.sigmoid((z + softcap.offset if softcap.offset else z) / softcap.temperature)
            if softcap.cap > 0 else None)
-    capped = softcap.cap * sig if softcap.cap > 0 else z
-    lse = torch.logsumexp(capped, dim=-1, keepdim=True)
     valid = targets != -100  # cross_entropy's ignore_index
-    picked = capped.gather(1, torch.where(valid, targets, 0))
-    loss_sums = torch.stack([torch.where(valid[:, k], (lse - picked)[:, k], 0.0).sum() for k in range(targets.size(1))])
+    if bf16_logits:
+        low = apply_softcap(logits, softcap, keep_dtype=True)
+        loss_sums = token_losses(low, targets).float().sum(0)
+        capped, lse = low.float(), torch.logsumexp(low, dim=-1, keepdim=True).float()
+    else:
+        capped = softcap.cap * sig if softcap.cap > 0 else z
+        lse = torch.logsumexp(capped, dim=-1, keepdim=True)
+        picked = capped.gather(1, torch.where(valid, targets, 0))
+        loss_sums = torch.stack([torch.where(valid[:, k], (lse - picked)[:, k], 0.0).sum()
+                                 for k in range(targets.size(1))])
     if not with_grad:
         return loss_sums, None
     if targets.size(1) == 1:  # the reference's expression, bit for bit
@@ -1381,18 +1541,20 @@ class ChunkedHeadLoss(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, h: Tensor, weight: Tensor, targets: Tensor, softcap: Softcap, kernel, weights: Tensor) -> Tensor:
+    def forward(ctx, h: Tensor, weight: Tensor, targets: Tensor, softcap: Softcap, kernel, weights: Tensor,
+                form: LossForm) -> Tensor:
         w = weight.type_as(h)
         counts = (targets != -100).sum(0).clamp_min(1)
-        scales = weights / counts.float()
+        scales = weights if form.summed else weights / counts.float()
         grad_logits = h.new_empty(h.size(0), w.size(0))
         totals = torch.zeros(targets.size(1), dtype=torch.float32, device=h.device)
         for rows in head_chunks(h.size(0)):
-            loss_sums, grad_logits[rows] = kernel(F.linear(h[rows], w), targets[rows], softcap, scales, True)
+            loss_sums, grad_logits[rows] = kernel(F.linear(h[rows], w), targets[rows], softcap, scales, True,
+                                                  form.bf16_logits)
             totals += loss_sums
         ctx.save_for_backward(h, w, grad_logits)
         ctx.weight_dtype = weight.dtype
-        return (totals / counts * weights).sum()
+        return (totals * weights).sum() if form.summed else (totals / counts * weights).sum()
 
     @staticmethod
     def backward(ctx, grad_loss: Tensor):
@@ -1400,23 +1562,23 @@ class ChunkedHeadLoss(torch.autograd.Function):
         scale = grad_loss.to(h.dtype)
         grad_h = (grad_logits @ w) * scale if ctx.needs_input_grad[0] else None
         grad_w = (grad_logits.T @ h).to(ctx.weight_dtype) * grad_loss if ctx.needs_input_grad[1] else None
-        return grad_h, grad_w, None, None, None, None
+        return grad_h, grad_w, None, None, None, None, None
 
 
 def chunked_head_loss(h: Tensor, weight: Tensor, targets: Tensor, softcap: Softcap, kernel,
-                      weights: Tensor | None = None) -> Tensor:
-    """Mean softcapped cross-entropy of F.linear(h, weight) against targets (T,) or (T, K) (each column
-    weighted by weights, as multi_token_cross_entropy) without ever holding all fp32 logits."""
+                      weights: Tensor | None = None, form: LossForm = LossForm()) -> Tensor:
+    """Mean (form.summed: summed) softcapped cross-entropy of F.linear(h, weight) against targets (T,) or (T, K)
+    (each column weighted by weights, as multi_token_cross_entropy) without ever holding all fp32 logits."""
     targets = targets[:, None] if targets.dim() == 1 else targets
     weights = torch.ones(1, device=h.device) if weights is None else weights
     if torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad):
-        return ChunkedHeadLoss.apply(h, weight, targets, softcap, kernel, weights)
+        return ChunkedHeadLoss.apply(h, weight, targets, softcap, kernel, weights, form)
     w = weight.type_as(h)
     counts = (targets != -100).sum(0).clamp_min(1)
     totals = torch.zeros(targets.size(1), dtype=torch.float32, device=h.device)
     for rows in head_chunks(h.size(0)):
-        totals += kernel(F.linear(h[rows], w), targets[rows], softcap, counts, False)[0]
-    return (totals / counts * weights).sum()
+        totals += kernel(F.linear(h[rows], w), targets[rows], softcap, counts, False, form.bf16_logits)[0]
+    return (totals * weights).sum() if form.summed else (totals / counts * weights).sum()
 
 
 @dataclass(frozen=True)
@@ -1918,6 +2080,7 @@ def build_optimizers(model: GPT, args: Hyperparameters, rank: int, world_size: i
     hidden = [p for p in model.blocks.parameters() if p.ndim >= 2 and p not in gates]
     embeds = [model.embed.weight, *(e.weight for e in model.value_embeds)]
     embeds += [model.bigram_embed.weight] if model.bigram_embed is not None else []
+    embeds += [model.embed2.weight] if model.embed2 is not None else []  # M L1079: embed_lr, as the value tables
     scalars = [p for p in model.parameters() if p.ndim < 2 or p in gates]
     adam_wd = args.adam_cautious_wd if args.cautious_wd else 0.0  # never on the scalars (the record's wd_mul 0)
     scalar_betas = (args.scalar_adam_beta1 if args.scalar_adam_beta1 is not None else args.adam_beta1,
@@ -2458,9 +2621,19 @@ def everywhere(**values) -> dict[str, dict]:
 
 
 def gates_need_width(flag: str) -> Refusal:
-    return Refusal(lambda a: getattr(a, flag) and a.model_dim < GATE_DIMS,
-                   lambda a: f"--{flag}=true reads the stream's first {GATE_DIMS} dims, more than --model_dim="
-                             f"{a.model_dim}; switch the gate off or widen the model")
+    return Refusal(lambda a: getattr(a, flag) and a.model_dim < a.gate_dims,
+                   lambda a: f"--{flag}=true reads the stream's first {a.gate_dims} dims, more than --model_dim="
+                             f"{a.model_dim}; switch the gate off, narrow --gate_dims or widen the model")
+
+
+def skips_out_of_order(a: Hyperparameters) -> str | None:
+    """What is wrong with --skip_connections on this depth (a skip backwards or past the last layer), if anything."""
+    for source, target in skip_pairs(a.skip_connections) or ():
+        if source >= target:
+            return f"{source}>{target} points backwards (a skip adds an earlier block's stream to a later block)"
+        if target >= a.n_layer:
+            return f"{source}>{target} goes past the last layer ({a.n_layer - 1} of --n_layer={a.n_layer})"
+    return None
 
 
 def needs_muon(flag: str) -> Refusal:
@@ -2628,6 +2801,47 @@ TECHNIQUES: tuple[Technique, ...] = (
     Technique(
         "attention_free_layer", ("2025-12-31_BulkSmallTrackTransfer",), "model", {"attention_free_layer": ANY_BOOL},
         {"medium": {}}, left_out=only_track_2("the attention-free layer after the middle")),
+    Technique(
+        "padded_tables", ("2025-12-31_BulkSmallTrackTransfer",), "model", {"pad_embed_tables": ANY_BOOL},
+        {"medium": {}}, left_out=only_track_2("tables of the vocabulary's rows")),
+    Technique(
+        "skip_layout", ("2025-12-31_BulkSmallTrackTransfer",), "model",
+        {"skip_connections": Rule(lambda v: v == "" or skip_pairs(v) is not None,
+                                  "empty, or comma-separated from>into block pairs, one per target, such as 6>9,4>10"),
+         "skip_sigmoid": ANY_BOOL},
+        {"medium": {}}, left_out=only_track_2("the mirrored U-net skips with linear weights"),
+        refusals=(Refusal(lambda a: skips_out_of_order(a) is not None,
+                          lambda a: f"--skip_connections={a.skip_connections}: {skips_out_of_order(a)}; pass pairs "
+                                    "from>into with from < into < --n_layer"),),
+        only_when=(only_with("skip_connections", "skip_sigmoid", switch="unet_skips"),)),
+    Technique(
+        "gate_dims", ("2025-12-31_BulkSmallTrackTransfer",), "model", {"gate_dims": integer(1)},
+        {"medium": {}}, left_out=only_track_2("gates that read 12 dims")),
+    Technique(
+        "second_embed", ("2025-12-31_BulkSmallTrackTransfer",), "model", {"second_embed": ANY_BOOL},
+        {"medium": {}}, left_out=only_track_2("one input embedding")),
+    Technique(
+        "residual_lambda_init", ("2025-12-31_BulkSmallTrackTransfer",), "model",
+        {"residual_lambda_init": number(-math.inf, lo_open=True, hi_open=True)},
+        {"medium": {}}, left_out=only_track_2("the stream's weight from 1")),
+    Technique(
+        "attn_output_lambda", ("2025-12-31_BulkSmallTrackTransfer",), "model", {"attn_output_lambda": ANY_BOOL},
+        {"medium": {}}, left_out=only_track_2("a learned weight on the value embedding, none on the output")),
+    Technique(
+        "cross_document_shifts", ("2025-12-31_BulkSmallTrackTransfer",), "model",
+        {"cross_document_shifts": ANY_BOOL},
+        {"medium": {}}, left_out=only_track_2("shifts that stop at document starts")),
+    Technique(
+        "record_init", ("2025-12-31_BulkSmallTrackTransfer",), "model",
+        {"qkv_init_gain": number(0.0), "head_init_std": number(0.0), "value_embed_zero_init": ANY_BOOL},
+        {"medium": {}}, left_out=only_track_2("the 2025-01-26 initialisation")),
+    Technique(
+        "bf16_numerics", ("2025-12-31_BulkSmallTrackTransfer",), "model",
+        {"bf16_rotary": ANY_BOOL, "bf16_train_logits": ANY_BOOL},
+        {"medium": {}}, left_out=only_track_2("fp32 rotary tables and training logits")),
+    Technique(
+        "loss_sum", ("2025-12-31_BulkSmallTrackTransfer",), "model", {"loss_sum": ANY_BOOL},
+        {"medium": {}}, left_out=only_track_2("the mean training loss")),
     Technique(
         "window_stages", ("2025-12-31_BulkSmallTrackTransfer",), "schedule",
         {"window_stages": Rule(lambda v: v == "" or window_stage_blocks(v) is not None,
@@ -3278,7 +3492,7 @@ def follow_yarn_logged(run: Run, step: int) -> None:
 def train_step(run: Run, step: int) -> Tensor:
     """One optimizer step: forward and backward over the stage's micro-batches (the last one's backward launches
     the gradient reduce-scatters), the optimizers at the step's lr and momentum, then fresh gradients. Returns
-    this rank's mean loss, on the device."""
+    this rank's mean loss, on the device (--loss_sum: its summed loss per input token)."""
     args, windows, mtp = run.args, run.schedules.windows(step), run.schedules.mtp_weights(step)
     accum = run.batches.accum(step)
     losses = []
@@ -3286,7 +3500,7 @@ def train_step(run: Run, step: int) -> Tensor:
         run.opt.sync.arm(i == accum - 1)
         loss = run.step_model(x, y, windows, *mtp)
         loss.backward()
-        losses.append(loss.detach())
+        losses.append(loss.detach() / x.numel() if args.loss_sum else loss.detach())
     run.opt.step(lr_multiplier_at(run, step), muon_momentum_at(step, args), accum)
     run.model.zero_grad(set_to_none=True)  # R: the next backward writes fresh gradients, no zeroing kernels
     return torch.stack(losses).mean()

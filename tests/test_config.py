@@ -131,6 +131,12 @@ BAD_VALUES = {  # field: (a value just inside the valid range, values outside it
     "stage_lr_shares": ("0.5,1", ["0", "x", "0.5,2"]), "muon_momentum_cooldown_steps": ("10", ["-1"]),
     "yarn_max_window": ("13", ["-1"]), "final_window_blocks": ("4", ["-1"]), "token_exact_windows": ("true", ["x"]),
     "batch_sequences": ("0", ["-1", "x"]),
+    "pad_embed_tables": ("true", ["x"]), "skip_connections": ("2>5,1>4", ["6", "2>x", "2>5,1>5", "-1>2"]),
+    "skip_sigmoid": ("true", ["x"]), "gate_dims": ("16", ["0", "-1"]), "second_embed": ("true", ["x"]),
+    "residual_lambda_init": ("1.05", ["nan", "inf"]), "attn_output_lambda": ("true", ["x"]),
+    "cross_document_shifts": ("true", ["x"]), "qkv_init_gain": ("1", ["-1", "nan"]),
+    "head_init_std": ("0.005", ["-0.1", "inf"]), "value_embed_zero_init": ("true", ["x"]),
+    "bf16_rotary": ("true", ["x"]), "bf16_train_logits": ("true", ["x"]), "loss_sum": ("true", ["x"]),
 }
 
 
@@ -217,6 +223,8 @@ UNUSED = {
     "muon_momentum_cooldown_steps": ["--muon=false", "--muon_momentum_cooldown_steps=5"],
     "final_window_blocks": ["--sliding_window=false", "--final_window_blocks=27"],
     "token_exact_windows": ["--sliding_window=false", "--token_exact_windows=true"],
+    "skip_connections": ["--unet_skips=false", "--skip_connections=2>5"],
+    "skip_sigmoid": ["--unet_skips=false", "--skip_sigmoid=true"],
 }
 
 

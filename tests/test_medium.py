@@ -43,6 +43,11 @@ RECORD_2025_12_31 = dict(
     mtp_tokens=3, mtp_frac=0.25,  # L1505-1518: its three phases within the first 4700/4 steps
     fp8_head=False, coordinate_descent_tuning=False, bigram_vocab_size=0, paired_heads=False,  # L845, L28
     target_val_loss=2.92,
+    pad_embed_tables=True, gate_dims=16, second_embed=True,  # M L1046, L1061, L1076, L1079; gates CastedLinear(16, .)
+    skip_connections="6>9,4>10,2>11", skip_sigmoid=True,  # M L1127-1128 (skip_in, skip_out), L1096, L1179
+    residual_lambda_init=1.05, attn_output_lambda=True, cross_document_shifts=True,  # M L1092, L988, L971-974
+    qkv_init_gain=1.0, head_init_std=0.005, value_embed_zero_init=True,  # M L935-936, L1073, L1062-1063
+    bf16_rotary=True, bf16_train_logits=True, loss_sum=True,  # M L881-886, L1204-1221
 )
 
 
@@ -86,7 +91,7 @@ def test_windows_step_through_the_records_stages_with_the_short_one_capped():
     assert T.attention_windows(args.num_iterations, args) == (27, 11)  # the last validation: M L1646
     assert T.window_pair(40, short_cap=11) == (40, 11) and T.window_pair(40) == (40, 20)
     model = T.GPT(T.ModelConfig.of(medium("--n_layer=2", "--model_dim=64", "--n_head=2", "--head_dim=32",
-                                          "--value_embed_tables=1")))
+                                          "--value_embed_tables=1", "--skip_connections=0>1")))
     assert model.window(T.attention_windows(args.num_iterations, args)).tolist() == [27, 11]  # the tools' too
     with pytest.raises(T.UsageError, match="--window_stages sets the sliding windows"):
         medium("--sliding_window=false")
@@ -231,7 +236,8 @@ TINY_MEDIUM = ["--preset=medium", "--train_files=data/sample/sotu_train_*.bin", 
                "--n_layer=10", "--model_dim=64", "--n_head=2", "--head_dim=32", "--batch_sequences=2", "--seq_len=512",
                "--batch_tokens=1024", "--val_seq_len=256", "--val_tokens=512", "--num_iterations=13",
                "--extension_steps=1", "--muon_momentum_cooldown_steps=2", "--val_every=6", "--warmup_steps=0",
-               "--log_train_loss=true", "--compile=off", "--attention=banded", "--dtype=fp32"]
+               "--log_train_loss=true", "--compile=off", "--attention=banded", "--dtype=fp32",
+               "--skip_connections=4>6,2>7,1>8"]  # the record's 6>9,4>10,2>11 needs 12 layers
 
 
 def test_a_tiny_medium_trains_on_cpu_through_every_medium_only_path(tmp_path):
@@ -290,7 +296,7 @@ def test_the_medium_memory_estimate_runs_on_fake_tensors(capsys):
     from bench import memory_estimate as M
     assert M.main(["--preset=medium", "--recipes=reference", "--gpus=1", "--phases=validation"]) == 0
     done = capsys.readouterr()
-    assert "train_gpt.py --preset=medium" in done.out and "561.6M parameters" in done.out
+    assert "train_gpt.py --preset=medium" in done.out and "613.4M parameters" in done.out
     (row,) = [line for line in done.out.splitlines() if line.startswith("| reference | validation | 1 |")]
     assert 5 < float(row.split("|")[5]) < 79.6  # docs/presets.md: 11.4 GiB
 

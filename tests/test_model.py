@@ -6,6 +6,7 @@ import warnings
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 import train_gpt as T
 from conftest import needs_cuda
@@ -612,3 +613,271 @@ def test_speedrun_model_compiled_step_on_cuda(monkeypatch):
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     assert grads and all(torch.isfinite(g).all() for g in grads)
     assert model.lm_head.weight.grad.abs().sum() > 0
+
+
+# ----------------------------------------------------------------------------- track 2's model (the medium preset)
+
+def tiny_medium(*extra):
+    """The medium preset's model flags at a tiny shape (4 layers, two nested skips as the record's)."""
+    return T.parse_args(["--preset=medium", "--compile=off", "--n_layer=4", "--model_dim=64", "--n_head=2",
+                         "--head_dim=32", "--value_embed_tables=2", "--skip_connections=1>2,0>3", "--seq_len=256",
+                         "--val_seq_len=256", "--val_tokens=256", *extra], False)
+
+
+def test_the_medium_model_has_the_records_tables_matrices_and_small_parameters():
+    """M's GPT at world size 8 has 613,420,440 parameters: 8 tables of 50,304 x 1,024, 48 hidden matrices and
+    3,480 gates and scalars, 3 of them the padding of its `scalars` vector (never read). Ours: the same less those 3."""
+    with torch.device("meta"):
+        model = T.GPT(T.ModelConfig.of(T.parse_args(["--preset=medium"], False)))
+    shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    tables = [n for n, s in shapes.items() if s == (50304, 1024)]
+    assert sorted(tables) == sorted(["embed.weight", "embed2.weight", "lm_head.weight",
+                                     *(f"value_embeds.{k}.weight" for k in range(5))])
+    hidden = [n for n in shapes if n.endswith(("qkv_w", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight"))]
+    assert sum(math.prod(shapes[n]) for n in hidden) == 48 * 4 * 1024 * 1024  # M: 16 x (qkvo_w, c_fc, c_proj)
+    small = {n: s for n, s in shapes.items() if n not in tables and n not in hidden}
+    per_layer = {"attn.attn_gate": (8, 16), "attn.lambdas": (2,), "lambdas": (2,), "x02_lambda": (1,)}
+    want = {"skip_lambdas": (3,), "skip_gate": (3, 16), "smear_gate": (1, 16), "smear_lambda": (1,),
+            "backout_lambda": (1,), **{f"blocks.{i}.{n}": s for i in range(16) for n, s in per_layer.items()},
+            **{f"blocks.{i}.attn.ve_gate": (8, 16) for i in (0, 1, 2, 3, 4, 11, 12, 13, 14, 15)}}
+    assert small == want
+    assert sum(math.prod(s) for s in small.values()) == 3480 - 3
+    assert sum(p.numel() for p in model.parameters()) == 613_420_440 - 3
+    assert model.skips == ((6, 9), (4, 10), (2, 11))
+
+
+def test_the_medium_initialisation_is_the_records():
+    """M L935-936 (Q, K, V uniform, bound sqrt(3/dim)), L1073 (head N(0, 0.005)), L1062-1063 (value tables zero),
+    L1079 (embed2 N(0, 1)), L1092-1096 (lambdas: stream 1.05, v 0.5, output 1.0, skips -1.5), gates 16 wide."""
+    torch.manual_seed(0)
+    model = T.GPT(T.ModelConfig.of(tiny_medium("--model_dim=256", "--n_head=2", "--head_dim=128")))
+    qkv = model.blocks[0].attn.qkv_w
+    assert qkv.abs().max().item() <= math.sqrt(3) / math.sqrt(256) + 1e-7
+    assert qkv.std().item() == pytest.approx(1 / math.sqrt(256), rel=0.02)
+    assert model.lm_head.weight.std().item() == pytest.approx(0.005, rel=0.01)
+    assert all(torch.count_nonzero(t.weight) == 0 for t in model.value_embeds)
+    assert model.embed2.weight.std().item() == pytest.approx(1.0, rel=0.01)
+    assert model.embed.weight.shape[0] == model.embed2.weight.shape[0] == model.value_embeds[0].weight.shape[0] == 50304
+    for block in model.blocks:
+        assert block.lambdas.tolist() == pytest.approx([1.05, 0.0]) and block.x02_lambda.tolist() == [0.0]
+        assert block.attn.lambdas.tolist() == [0.5, 1.0] and block.attn.attn_gate.shape == (2, 16)
+    assert model.skip_lambdas.tolist() == [-1.5, -1.5] and model.skip_weights is None
+    assert model.skip_gate.shape == (2, 16) and model.smear_gate.shape == (1, 16)
+    assert torch.count_nonzero(model.blocks[0].attn.c_proj.weight) == 0  # M L946: O starts at zero
+
+
+def randomize_small_parameters(model, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.numel() < 5000 or "c_proj" in name or "value_embeds" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * (0.3 if p.numel() < 5000 else 0.05))
+
+
+def reference_trunk(model, tokens, attention):
+    """M L1148-1191 written out for a fp32 model: smear across documents on the raw embedding (position 0 alone
+    left out), x0 and x02 normed, skips popped last-in-first-out at skip_out with weight
+    sigmoid(lambda) * 2 * sigmoid(W x0[:16]), each layer's mix resid * x + l0 * x0 + l1 * x02, then the block."""
+    g = model.config.gate_dims
+    e = model.embed.weight[tokens]
+    gate = model.smear_lambda * torch.sigmoid(e[1:, :g] @ model.smear_gate.T)
+    x = x0 = T.rms_norm(torch.cat([e[:1], e[1:] + gate * e[:-1]])[None])
+    x02 = T.rms_norm(model.embed2.weight[tokens][None])
+    skip_in = sorted(a for a, _ in model.skips)
+    skip_out = sorted(b for _, b in model.skips)
+    stack, idx = [], 0
+    for i, block in enumerate(model.blocks):
+        if i in skip_out:
+            w = torch.sigmoid(model.skip_lambdas[idx]) * 2 * torch.sigmoid(x0[..., :g] @ model.skip_gate[idx:idx + 1].T)
+            idx += 1
+            x = x + w * stack.pop()
+        x = block.lambdas[0] * x + block.lambdas[1] * x0 + block.x02_lambda * x02
+        ve_i = model.roles.value_embed[i]
+        ve = None if ve_i is None else model.value_embeds[ve_i].weight[tokens][None]
+        x = x + block.attn(T.rms_norm(x), ve, attention[i], 0, None)
+        x = x + block.mlp(T.rms_norm(x))
+        if i in skip_in:
+            stack.append(x)
+        if i == model.roles.backout_layer - 1:
+            backout = x
+    return x - model.backout_lambda * backout
+
+
+def test_the_medium_trunk_matches_the_records_forward_and_gradient():
+    """Skips (sigmoid lambda x gate), embed2's x02 mixed in every layer, smear across documents: GPT.trunk against
+    reference_trunk, value and the gradients of every small parameter and of embed2."""
+    args = tiny_medium("--dtype=fp32", "--bf16_rotary=false")
+    torch.manual_seed(0)
+    model = T.GPT(T.ModelConfig.of(args))
+    randomize_small_parameters(model)
+    tokens = tokens_with_docs(256, [0, 50, 51, 130])
+    attention = model.layer_attention(tokens, T.window_tensor(2))
+    results = []
+    for trunk in (lambda: model.trunk(tokens, attention), lambda: reference_trunk(model, tokens, attention)):
+        model.zero_grad()
+        out = trunk()
+        (out * torch.linspace(-1, 1, out.size(-1))).sum().backward()
+        results.append((out.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
+    (got, got_grads), (want, want_grads) = results
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert got_grads.keys() == want_grads.keys() and "embed2.weight" in got_grads and "skip_lambdas" in got_grads
+    for name in got_grads:
+        torch.testing.assert_close(got_grads[name], want_grads[name], rtol=1e-4, atol=1e-5, msg=name)
+    assert got_grads["blocks.2.x02_lambda"].abs() > 0 and got_grads["skip_gate"].abs().sum() > 0
+
+
+def test_the_attention_output_lambda_scales_the_projection_and_the_value_embedding_enters_unscaled():
+    """M L968-988: v = lambda0 * v + 2 sigmoid(W_v x[:16]) * ve, y gated per head, out = y @ (lambda1 * W_o).T."""
+    args = tiny_medium("--dtype=fp32", "--bf16_rotary=false")
+    torch.manual_seed(0)
+    model = T.GPT(T.ModelConfig.of(args))
+    randomize_small_parameters(model)
+    attn = model.blocks[0].attn
+    x = T.rms_norm(torch.randn(1, 128, 64))
+    ve = torch.randn(1, 128, 64)
+
+    def attend(q, k, v, scale):
+        y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
+                                           scale=scale)
+        return y.transpose(1, 2)
+
+    def reference():
+        q, k, v = (F.linear(x, attn.qkv_w[i]).view(1, 128, 2, 32) for i in range(3))
+        v = attn.lambdas[0] * v + 2 * torch.sigmoid(x[..., :16] @ attn.ve_gate.T)[..., None] * ve.view(1, 128, 2, 32)
+        q, k = attn.rotary(T.rms_norm(q)), attn.rotary(T.rms_norm(k))
+        k = T.offset_stationary_keys(k, None)  # layer 0 is a long-window layer
+        y = attend(q, k, v, attn.scale) * torch.sigmoid(x[..., :16] @ attn.attn_gate.T)[..., None]
+        return F.linear(y.reshape(1, 128, 64), attn.lambdas[1] * attn.c_proj.weight)
+
+    grads = []
+    for run in (lambda: attn(x, ve, attend), reference):
+        attn.zero_grad()
+        out = run()
+        out.square().sum().backward()
+        grads.append((out.detach(), attn.lambdas.grad.clone()))
+    torch.testing.assert_close(grads[0][0], grads[1][0])
+    torch.testing.assert_close(grads[0][1], grads[1][1])
+    assert grads[0][1][1].abs() > 0
+
+
+def test_cross_document_shifts_cross_every_document_start_but_not_the_sequence_start():
+    """M L971-974: every key but the sequence's first takes the previous position's stationary dims; M L1161:
+    smear skips position 0 alone; M L1213-1218: target k of row t is t+k's, -100 only past the sequence end."""
+    k = torch.randn(1, 6, 2, 16)
+    got = T.offset_stationary_keys(k, None)
+    for t in range(6):
+        for d in range(16):
+            stationary = 4 <= d < 8 or 12 <= d < 16
+            want = k[0, max(t - 1, 0), :, d] if stationary else k[0, t, :, d]
+            assert torch.equal(got[0, t, :, d], want), (t, d)
+    x, gate = torch.randn(1, 6, 4), torch.rand(1, 6, 1)
+    smeared = T.smear(x, gate, None)
+    assert torch.equal(smeared[0, 0], x[0, 0])
+    torch.testing.assert_close(smeared[0, 1:], x[0, 1:] + gate[0, 1:] * x[0, :-1])
+    targets = torch.tensor([5, EOT, 7, 8, EOT, 9])
+    columns = T.multi_token_targets(targets, 3, across_documents=True)
+    for t in range(6):
+        for c in range(3):
+            assert columns[t, c] == (targets[t + c] if t + c < 6 else -100), (t, c)
+    assert T.multi_token_targets(targets, 3)[0, 2] == -100  # the default stops at the document's end
+
+
+def test_bf16_rotary_tables_and_rotation_are_the_records():
+    """M L881-886: fp32 angles, tables cast to bf16; L902-911: y1 = x1 cos + x2 sin, y2 = x1 (-sin) + x2 cos in
+    bf16. The fp32 rotary (the default) is untouched."""
+    fp32, bf16 = T.Rotary(32, 300), T.Rotary(32, 300, bf16=True)
+    assert bf16.cos.dtype == torch.bfloat16 and torch.equal(bf16.cos, fp32.cos.bfloat16())
+    assert torch.equal(bf16.sin, fp32.sin.bfloat16()) and fp32.cos.dtype == torch.float32
+    x = torch.randn(1, 300, 2, 32).bfloat16()
+    cos, sin = bf16.cos[None, :, None, :], bf16.sin[None, :, None, :]
+    x1, x2 = x.chunk(2, dim=-1)
+    want = torch.cat([x1 * cos + x2 * sin, x1 * (-sin) + x2 * cos], dim=-1)
+    assert torch.equal(bf16(x), want) and bf16(x).dtype == torch.bfloat16
+    halved = T.rotary_frequencies(32) * 0.5
+    bf16.set_frequencies(halved)  # YaRN's rebuild: the same buffers, the same table dtype
+    assert torch.equal(bf16.cos, torch.outer(torch.arange(300.0), halved).cos().bfloat16())
+
+
+def records_training_loss(logits, targets, weights):
+    """M L1204-1221 on bf16 head outputs: softcap, logsumexp and per-token cross-entropy in bf16; column k (the
+    token k after the next) zero past the sequence end; sum of w_k * CE."""
+    capped = 23 * torch.sigmoid((logits + 5) / 7.5)
+    n = weights.numel()
+    idx = F.pad(targets, (0, n - 1)).unfold(0, n, 1)
+    ce = torch.logsumexp(capped, dim=-1).unsqueeze(1) - capped.gather(1, idx)
+    for k in range(1, n):
+        ce[-k:, k] = 0
+    return (ce * weights).sum()
+
+
+@pytest.mark.parametrize("weights", [[1.0], [1.0, 0.5, 0.25]])
+def test_the_bf16_summed_training_loss_is_the_records_on_both_head_paths(weights):
+    """The plain path (multi_token_cross_entropy / softcapped_cross_entropy with LossForm(bf16, summed)) against
+    records_training_loss, value and logits gradient; the chunked head (ChunkedHeadLoss) against the plain path."""
+    gen = torch.Generator().manual_seed(len(weights))
+    n, vocab = 640, 512
+    h0 = T.rms_norm(torch.randn(n, 64, generator=gen)).bfloat16()
+    w0 = torch.randn(vocab, 64, generator=gen) * 0.4
+    targets = torch.randint(0, vocab, (n,), generator=gen)
+    weights = torch.tensor(weights)
+    columns = T.multi_token_targets(targets, len(weights), across_documents=True)
+    softcap, form = T.Softcap(23.0, 7.5, 5.0), T.LossForm(bf16_logits=True, summed=True)
+    logits = F.linear(h0, w0.bfloat16()).requires_grad_()
+    want = records_training_loss(logits, targets, weights)
+    want.backward()
+    want_grad, logits.grad = logits.grad.clone(), None
+    got = (T.softcapped_cross_entropy(logits, targets, softcap, form) if len(weights) == 1 else
+           T.multi_token_cross_entropy(logits, columns, weights, softcap, form))
+    got.backward()
+    torch.testing.assert_close(got.float(), want.float(), rtol=1e-5, atol=1e-2)
+    torch.testing.assert_close(logits.grad, want_grad)
+    results = []
+    for chunked in (False, True):
+        h, w = h0.clone().requires_grad_(), w0.clone().requires_grad_()
+        loss = (T.chunked_head_loss(h, w, columns, softcap, T.softcapped_cross_entropy_chunk, weights, form) if chunked
+                else T.multi_token_cross_entropy(F.linear(h, w.type_as(h)), columns, weights, softcap, form))
+        loss.backward()
+        results.append((loss.detach(), h.grad.float(), w.grad))
+    (plain, plain_gh, plain_gw), (chunk, chunk_gh, chunk_gw) = results
+    torch.testing.assert_close(chunk, plain, rtol=1e-5, atol=1e-2)
+    assert rel_err(chunk_gh, plain_gh) < 2e-2 and rel_err(chunk_gw, plain_gw) < 2e-2  # bf16 rounding
+    assert plain.item() > 100 * len(weights)  # a sum over 640 tokens, not a mean
+
+
+def test_the_summed_loss_is_the_mean_times_the_tokens_and_validation_keeps_the_mean():
+    """--loss_sum: training mode returns the sum over the sequence (M L1221), eval mode the mean (M L1202); on
+    both head paths."""
+    tokens = tokens_with_docs(257, [0, 90, 200])
+    for chunked in (False, True):
+        args = tiny_medium("--dtype=fp32", "--bf16_train_logits=false")
+        torch.manual_seed(0)
+        model = T.GPT(T.ModelConfig.of(args), loss=T.LossPath(chunked=chunked))
+        summed = model(tokens[:-1], tokens[1:], T.window_tensor(2))
+        with torch.no_grad():
+            mean = model.eval()(tokens[:-1], tokens[1:], T.window_tensor(2))
+        assert summed.item() == pytest.approx(256 * mean.item(), rel=1e-5)
+
+
+def test_skips_that_point_backwards_or_past_the_last_layer_are_refused_in_one_line():
+    for flags, message in [(["--skip_connections=9>3"], "9>3 points backwards"),
+                           (["--skip_connections=6>9,4>10,2>16"], "2>16 goes past the last layer (15 of --n_layer=16)"),
+                           (["--n_layer=10"], "4>10 goes past the last layer (9 of --n_layer=10)")]:
+        with pytest.raises(T.UsageError) as e:
+            T.parse_args(["--preset=medium", *flags], False)
+        assert message in str(e.value) and "\n" not in str(e.value), str(e.value)
+    assert T.skip_pairs("2>11,6>9,4>10") == ((6, 9), (4, 10), (2, 11))  # ordered by target: M's skip_idx
+    assert T.skip_pairs("2>9,3>9") is None and T.skip_pairs("2-9") is None
+
+
+def test_the_default_skips_are_the_mirrored_u_net_with_linear_weights():
+    model = T.GPT(T.ModelConfig.of(small_args("--n_layer=6")))
+    assert model.skips == ((2, 3), (1, 4), (0, 5)) and model.skip_weights.tolist() == [1.0] * 3
+    assert model.skip_lambdas is None and model.embed2 is None and model.embed.weight.shape[0] == 50257
+
+
+def test_embed2_trains_at_the_embedding_lr():
+    args = tiny_medium()
+    model = T.GPT(T.ModelConfig.of(args))
+    opt = T.build_optimizers(model, args, 0, 1, grad_sync_from_hooks=False)
+    lrs = {name: group["lr"] for name, group in zip(opt.adam.names, opt.adam.adam.param_groups)}
+    assert lrs["embed2.weight"] == lrs["embed.weight"] == args.embed_lr
