@@ -308,7 +308,8 @@ def test_the_memory_estimate_measures_the_longest_packed_sequence_in_training_an
     lengths = []
     monkeypatch.setattr(M, "fake_tokens", lambda n, real=M.fake_tokens: lengths.append(n) or real(n))
     tiny = ["--n_layer=2", "--model_dim=64", "--n_head=2", "--head_dim=32", "--value_embed_tables=1",
-            "--batch_tokens=1024", "--batch_sequences=2", "--seq_len=512", "--val_seq_len=512", "--val_tokens=512"]
+            "--batch_tokens=1024", "--batch_sequences=2", "--seq_len=512", "--val_seq_len=512", "--val_tokens=512",
+            "--skip_connections=0>1"]
     assert M.main(["--preset=medium", "--recipes=reference", "--gpus=1,2", "--phases=train,warm-up", "--", *tiny]) == 0
     out = capsys.readouterr().out
     assert "2 packed sequences per step of 128 / 256 / 384 / 512 tokens by stage" in out

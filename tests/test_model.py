@@ -620,7 +620,8 @@ def test_speedrun_model_compiled_step_on_cuda(monkeypatch):
 def tiny_medium(*extra):
     """The medium preset's model flags at a tiny shape (4 layers, two nested skips as the record's)."""
     return T.parse_args(["--preset=medium", "--compile=off", "--n_layer=4", "--model_dim=64", "--n_head=2",
-                         "--head_dim=32", "--value_embed_tables=2", "--skip_connections=1>2,0>3", "--seq_len=256",
+                         "--head_dim=32", "--value_embed_tables=2", "--skip_connections=1>2,0>3", "--batch_sequences=0",
+                         "--seq_len=256",
                          "--val_seq_len=256", "--val_tokens=256", *extra], False)
 
 

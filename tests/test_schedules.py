@@ -350,7 +350,7 @@ def test_the_model_follows_yarn_in_place_and_a_fresh_model_at_a_step_rebuilds_th
     afresh and brought to a later step (a resumed run, a tool) holds exactly the same tables and scales."""
     args = T.parse_args(["--preset=medium", "--compile=off", "--n_layer=2", "--model_dim=64", "--n_head=2",
                          "--head_dim=32", "--value_embed_tables=1", "--seq_len=256", "--val_seq_len=256",
-                         "--val_tokens=256", "--batch_tokens=1024", "--batch_sequences=0"], False)
+                         "--val_tokens=256", "--batch_tokens=1024", "--batch_sequences=0", "--skip_connections=0>1"], False)
     model = T.GPT(T.ModelConfig.of(args))
     table = model.blocks[0].attn.rotary.cos
     assert T.follow_yarn(model, 0, args) is None and T.follow_yarn(model, 391, args) is None
@@ -359,7 +359,7 @@ def test_the_model_follows_yarn_in_place_and_a_fresh_model_at_a_step_rebuilds_th
                                                      (3, T.yarn_state(1175, args)[1])]
     freqs, scale = T.yarn_state(1175, args)
     positions = torch.arange(table.size(0), dtype=torch.float32)
-    assert model.blocks[0].attn.rotary.cos is table and torch.equal(table, torch.outer(positions, freqs).cos())
+    assert model.blocks[0].attn.rotary.cos is table and torch.equal(table, torch.outer(positions, freqs).cos().to(table.dtype))
     assert all(block.attn.scale == scale for block in model.blocks)
     fresh = T.GPT(T.ModelConfig.of(args))
     assert T.follow_yarn(fresh, 3000, args) == (3, scale)
@@ -372,7 +372,7 @@ def test_the_tools_run_a_checkpoint_at_its_steps_yarn_state_and_windows():
     from tools import loading
     args = T.parse_args(["--preset=medium", "--compile=off", "--n_layer=2", "--model_dim=64", "--n_head=2",
                          "--head_dim=32", "--value_embed_tables=1", "--seq_len=256", "--val_seq_len=256",
-                         "--val_tokens=256", "--batch_tokens=1024", "--batch_sequences=0", "--dtype=fp32"], False)
+                         "--val_tokens=256", "--batch_tokens=1024", "--batch_sequences=0", "--skip_connections=0>1", "--dtype=fp32"], False)
     state = T.GPT(T.ModelConfig.of(args)).state_dict()
     for step, window, at in ((800, "step", 800), (300, "step", 300), (300, "final", 4740)):
         loaded = loading.build(args, state, step, torch.device("cpu"), window, Path("ckpt"))

@@ -201,7 +201,7 @@ def test_the_model_and_its_kv_cache_apply_the_token_exact_rule():
     from test_model import tokens_with_docs
     args = T.parse_args(["--preset=medium", "--compile=off", "--n_layer=2", "--model_dim=64", "--n_head=2",
                          "--head_dim=32", "--value_embed_tables=1", "--smear=false", "--key_offset=false",
-                         "--dtype=fp32"], False)
+                         "--dtype=fp32", "--skip_connections=0>1", "--batch_sequences=0", "--seq_len=256"], False)
     assert args.token_exact_windows
     model = T.GPT(T.ModelConfig.of(args)).eval()
     with torch.no_grad():

@@ -101,7 +101,7 @@ def weights_shape(state: dict) -> dict[str, object]:
             "n_layer": 1 + max(int(name.split(".")[1]) for name in state if name.startswith("blocks.")),
             "n_head*head_dim": attention_width,
             "value_embeds": any(name.startswith("value_embeds.") for name in state),
-            "unet_skips": "skip_weights" in state}
+            "unet_skips": "skip_weights" in state or "skip_lambdas" in state}  # linear or sigmoid weights
 
 
 def check_weights_fit(state: dict, args: T.Hyperparameters, where: Path) -> None:
@@ -109,6 +109,8 @@ def check_weights_fit(state: dict, args: T.Hyperparameters, where: Path) -> None
     # the trainer's shape fields, with heads x width as one: the tensors show only their product
     recorded = {name: getattr(args, name) for name in T.MODEL_SHAPE_FIELDS if name not in ("n_head", "head_dim")}
     recorded["n_head*head_dim"] = args.n_head * args.head_dim
+    if args.pad_embed_tables:  # the tables have the head's padded rows
+        recorded["vocab_size"] = T.next_multiple(args.vocab_size, 128)
     for name, value in weights_shape(state).items():
         if recorded[name] != value:
             raise T.UsageError(f"{where}: the weights have {name}={value} but the recorded hyperparameters say "
