@@ -128,6 +128,11 @@ BAD_VALUES = {  # field: (a value just inside the valid range, values outside it
     # track 2's techniques (the medium preset)
     "value_embed_tables": ("1", ["0", "-3"]), "attention_free_layer": ("false", ["x"]), "short_window_cap": ("0", ["-1"]),
     "window_stages": ("3,7", ["0", "3,x", "-1,2"]),
+    "record_muon_shapes": ("true", ["x"]), "muon_gates": ("true", ["x"]), "muon_gate_lr_mul": ("0.1", ["-1", "nan"]),
+    "adam_every": ("2", ["0", "-1"]), "adam_master": ("false", ["x"]), "token_embed_lr": ("none", ["-1", "x"]),
+    "head_embed_wd_mul": ("150", ["-1", "inf"]), "value_embed_wd_mul": ("5", ["-1", "nan"]),
+    "x0_lambda_lr": ("0.04", ["-1", "x"]), "gate_adam_lr": ("8e-5", ["-1", "nan"]),
+    "tied_embed_steps": ("0", ["-1"]),
 }
 
 
@@ -138,7 +143,7 @@ def test_every_hyperparameter_has_a_rule_and_bad_values_here():
 
 USED_ONLY_WITH = {"matrix_adam_lr": ["--muon=false"], "batch_lr_exponent": ["--batch_schedule=1/2,1"],
                   "normuon_beta2": ["--normuon=true"], "muon_cautious_wd": ["--cautious_wd=true"],
-                  "adam_cautious_wd": ["--cautious_wd=true"]}
+                  "adam_cautious_wd": ["--cautious_wd=true"], "muon_gate_lr_mul": ["--muon_gates=true"]}
 
 
 @pytest.mark.parametrize("name", sorted(BAD_VALUES))
@@ -209,6 +214,7 @@ UNUSED = {
     "adam_cautious_wd": ["--adam_cautious_wd=0.1"], "bigram_dim": ["--bigram_dim=32"],
     "mtp_frac": ["--mtp_frac=0.5"], "value_embed_tables": ["--value_embeds=false", "--value_embed_tables=5"],
     "short_window_cap": ["--sliding_window=false", "--short_window_cap=4"],
+    "muon_gate_lr_mul": ["--muon_gate_lr_mul=0.2"],
 }
 
 
@@ -266,7 +272,7 @@ def test_a_resumed_run_judges_unused_flags_on_its_checkpoint_s_values():
 @pytest.mark.parametrize("argv, message", [
     (["--mtp_tokens=300", "--seq_len=256", "--batch_tokens=512"],
      "--mtp_tokens=300 predicts more tokens than a --seq_len=256 sequence holds; pass at most 256"),
-    (["--preset=medium", "--num_iterations=11", "--batch_schedule="],
+    (["--preset=medium", "--num_iterations=11", "--batch_schedule=", "--tied_embed_steps=0"],
      "--window_stages has 12 stages but --num_iterations=11 has fewer steps"),
 ])
 def test_ranges_that_depend_on_another_flag_are_refused(argv, message):

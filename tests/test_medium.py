@@ -168,7 +168,9 @@ class StepTensorsAt:
 TINY_MEDIUM = ["--preset=medium", "--train_files=data/sample/sotu_train_*.bin", "--val_files=data/sample/sotu_val_*.bin",
                "--n_layer=10", "--model_dim=64", "--n_head=2", "--head_dim=32", "--seq_len=256", "--batch_tokens=1024",
                "--val_seq_len=256", "--val_tokens=512", "--num_iterations=12", "--val_every=6", "--warmup_steps=0",
-               "--log_train_loss=true", "--compile=off", "--attention=banded", "--dtype=fp32"]
+               "--log_train_loss=true", "--compile=off", "--attention=banded", "--dtype=fp32",
+               "--tied_embed_steps=5",  # M's split (785) at an odd step inside the 12
+               "--zero_init=false"]  # a zero head tied to the input would be a zero embedding (M: N(0, 0.005))
 
 
 def test_a_tiny_medium_trains_on_cpu_through_every_medium_only_path(tmp_path):
