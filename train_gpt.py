@@ -3235,6 +3235,14 @@ def lr_multiplier_at(run: Run, step: int) -> float:
     return lr_multiplier(step, args.num_iterations, args.cooldown_frac, args.lr_final_frac) * run.batches.lr_scale(step)
 
 
+def tie_embedding(run: Run, step: int) -> None:
+    """Track 2 (M L1148-1152, L1583-1585): through step tied_embed_steps the tokens are looked up in the head's
+    weight, and Adam leaves the embedding alone (no gradient, step or decay) until the split hands it over."""
+    tied = 0 < run.args.tied_embed_steps and step <= run.args.tied_embed_steps
+    run.model.embed_from_head = tied
+    run.opt.frozen = {run.model.embed.weight} if tied else set()
+
+
 def train_step(run: Run, step: int) -> Tensor:
     """One optimizer step: forward and backward over the stage's micro-batches (the last one's backward launches
     the gradient reduce-scatters), the optimizers at the step's lr and momentum, then fresh gradients. Returns
@@ -3255,14 +3263,6 @@ def train_step(run: Run, step: int) -> Tensor:
         run.opt.untie(run.model.lm_head.weight, run.model.embed.weight)
     run.opt.zero_grad(run.model)
     return torch.stack(losses).mean()
-
-
-def tie_embedding(run: Run, step: int) -> None:
-    """Track 2 (M L1148-1152, L1583-1585): through step tied_embed_steps the tokens are looked up in the head's
-    weight, and Adam leaves the embedding alone (no gradient, step or decay) until the split hands it over."""
-    tied = 0 < run.args.tied_embed_steps and step <= run.args.tied_embed_steps
-    run.model.embed_from_head = tied
-    run.opt.frozen = {run.model.embed.weight} if tied else set()
 
 
 def train_loop(run: Run, start_step: int, stop: StopSignal, resumed_from: Path | None) -> int:
