@@ -212,3 +212,31 @@ def test_the_medium_memory_estimate_runs_on_fake_tensors(capsys):
     assert "train_gpt.py --preset=medium" in done.out and "561.6M parameters" in done.out
     (row,) = [line for line in done.out.splitlines() if line.startswith("| reference | validation | 1 |")]
     assert 5 < float(row.split("|")[5]) < 79.6  # docs/presets.md: 11.4 GiB
+
+
+@pytest.mark.parametrize("stop", [4, 6])
+def test_a_tiny_medium_resumes_on_either_side_of_the_split_as_if_never_stopped(tmp_path, stop):
+    """The tie (split after step 5), the odd-step Adam and the bf16 record Adam survive a checkpoint taken before
+    the split (step 4) and after it (step 6): the resumed run ends on the uninterrupted one's losses."""
+    base = TINY_MEDIUM
+    whole = run_main(base + ["--run_id=whole"], tmp_path)
+    assert whole.returncode == 0, whole.stderr[-2000:]
+    first = run_main(base + ["--run_id=part", f"--stop_after={stop}"], tmp_path)
+    assert first.returncode == 0, first.stderr[-2000:]
+    rest = run_main(base + ["--run_id=part", "--resume=auto"], tmp_path)
+    assert rest.returncode == 0, rest.stderr[-2000:]
+    want, got = (json.loads((tmp_path / f"{name}.json").read_text()) for name in ("whole", "part"))
+    assert got["final_val_loss"] == want["final_val_loss"]
+    assert train_losses((tmp_path / "part.txt").read_text()) == train_losses((tmp_path / "whole.txt").read_text())
+
+
+def test_a_checkpoint_of_the_medium_preset_before_its_record_optimizers_is_refused_in_one_line(tmp_path):
+    """Its checkpoint.json records none of the optimizer-structure flags (gates in Muon, no Adam master, the x0
+    lambdas apart): its tensors are not this run's, and check_compatible says which flag in one line."""
+    args = T.parse_args(["--preset=medium"], False)
+    old = {k: v for k, v in dataclasses.asdict(args).items()
+           if k not in ("muon_gates", "adam_master", "x0_lambda_lr")}
+    with pytest.raises(T.UsageError) as e:
+        T.check_compatible(tmp_path, {"hyperparameters": old, "step": 10}, args)
+    assert "muon_gates" in str(e.value) and "\n" not in str(e.value)
+    assert {"muon_gates", "adam_master", "x0_lambda_lr"} <= set(T.OPTIMIZER_STRUCTURE_FIELDS)
