@@ -214,6 +214,28 @@ class Hyperparameters:
     cautious_wd: bool = flag(False, "2025-11-10_CautiousWD: decay only where the update and the weight agree in sign")
     muon_cautious_wd: float = flag(1.2, "same record; applied as lr * wd, so it follows the lr schedule")
     adam_cautious_wd: float = flag(0.005, "2025-12-18_CautiousWDAdam: head and embeddings (not the scalars)")
+    record_muon_shapes: bool = flag(False, "track 2, 2025-12-31_BulkSmallTrackTransfer: Muon's lr (and decay) "
+                                           "multiplier from M's stored shapes (M L633-649): Q, K, V, O x2, c_fc x2, "
+                                           "MLP c_proj x4")
+    muon_gates: bool = flag(False, "same record: the attention and value-embedding gates train in Muon (per-row "
+                                   "NorMuon, cautious decay), not the scalar Adam (M L949-957)")
+    muon_gate_lr_mul: float = flag(0.1, "same record: the gates' share of muon_lr (M L951, L957)")
+    adam_every: int = flag(1, "same record: the Adams step every Nth step (M: 2, odd steps) on the summed gradients"
+                              " of the N steps (M L1506-1507, L1575-1594)")
+    adam_master: bool = flag(True, "false: M's DistAdam: head, embeddings and gates bf16, updated in place with no "
+                                   "fp32 master, bf16 moments, M's eps form and strict cautious mask (M L700-830)")
+    token_embed_lr: float | None = flag(None, "same record: the token embedding's lr (M: 0.008, L1076); none: "
+                                              "embed_lr")
+    head_embed_wd_mul: float = flag(1.0, "same record: the head's and token embedding's share of adam_cautious_wd "
+                                         "(M: 150, L1107-1113)")
+    value_embed_wd_mul: float = flag(1.0, "same record: the value embeddings' (and embed2's) share of "
+                                          "adam_cautious_wd (M: 5, L1106, L1111)")
+    x0_lambda_lr: float | None = flag(None, "same record: the x0 (and x02) lambdas apart, in the main Adam at this lr"
+                                            " with no decay (M: 0.04, L1083-1086); none: in the scalars")
+    gate_adam_lr: float | None = flag(None, "same record: the smear and skip gates in the main Adam at this lr, no "
+                                            "decay (M: 8e-5, L1048-1057); none: gate_lrs' share of scalar_lr")
+    tied_embed_steps: int = flag(0, "same record: the input embedding reads the head's weight through this step's "
+                                    "update, then takes its weight and Adam state (M: 785, L770-779, L1583-1585)")
     scalar_adam_beta1: float | None = flag(None, "2025-12-21_SmoothedScalars: 0.9 for the scalars; none: adam_beta1")
     scalar_adam_beta2: float | None = flag(None, "same record: 0.99; none: adam_beta2")
     adam_beta1: float = flag(0.8, "R")
@@ -298,6 +320,11 @@ PRESETS = {
         cautious_wd=True, muon_cautious_wd=1.2, adam_cautious_wd=0.005,  # M L1484-1486
         head_lr=0.008, embed_lr=0.6, scalar_lr=0.08, adam_eps=1e-8,  # M: 0.004 x 2.0; value embeds x 75; scalars x 5
         scalar_adam_beta1=0.9, scalar_adam_beta2=0.99,  # M L1485
+        record_muon_shapes=True, muon_gates=True, muon_gate_lr_mul=0.1,  # M L633-649, L940-957, L996-1001
+        adam_every=2, adam_master=False,  # M L1506-1507, L1575-1594: odd steps; L700-830: bf16, in place, no master
+        token_embed_lr=0.008, head_embed_wd_mul=150.0, value_embed_wd_mul=5.0,  # M L1076, L1104-1113
+        x0_lambda_lr=0.04, gate_adam_lr=8e-5,  # M L1048-1057 (0.004 x 0.01 x 2), L1083-1086 (0.004 x 5 x 2)
+        tied_embed_steps=785,  # M L1495: ceil(4700 * 2/3/4) | 1
         smear=True, attn_gate=True, ve_gates=True, skip_gates=True, backout=True, key_offset=True,
         pad_embed_tables=True, gate_dims=16, second_embed=True,  # M L1046 (tables of 50,304), L1048, L1079-1080
         skip_connections="6>9,4>10,2>11", skip_sigmoid=True,  # M L1127-1128, L1096 (lambda -1.5), L1179
@@ -955,6 +982,7 @@ class ModelConfig:
     loss_sum: bool
     short_window_cap: int
     token_exact_windows: bool
+    x0_lambda_lr: float | None  # set: each layer's x0 lambda is a parameter of its own (the optimizer's group)
     max_seq_len: int  # the longer of training and validation sequences
 
     @staticmethod
@@ -1082,8 +1110,11 @@ class Block(nn.Module):
                                          paired=roles.paired_heads[layer], key_offset=roles.key_offset[layer])
                      if roles.attention[layer] else None)
         self.mlp = MLP(cfg)
-        # mix of the stream and the embedding x0 (M L1092: the stream's weight starts at 1.05)
-        self.lambdas = nn.Parameter(torch.tensor([cfg.residual_lambda_init, 0.0]))
+        # mix of the stream and the embedding x0 (M L1092: the stream's weight starts at 1.05); the x0 weight apart
+        # when it has its own lr (track 2, M L1083)
+        self.lambdas = nn.Parameter(torch.tensor([cfg.residual_lambda_init, 0.0] if cfg.x0_lambda_lr is None
+                                                 else [cfg.residual_lambda_init]))
+        self.x0_lambda = nn.Parameter(torch.zeros(1)) if cfg.x0_lambda_lr is not None else None
         self.x02_lambda = nn.Parameter(torch.zeros(1)) if cfg.second_embed else None  # M L1083: from 0
         self.bigram_lambda = nn.Parameter(torch.tensor([BIGRAM_LAMBDA_INIT])) if cfg.bigram_vocab_size else None
 
@@ -1091,7 +1122,7 @@ class Block(nn.Module):
                 doc_start: Tensor | None = None, bigram: Tensor | None = None, x02: Tensor | None = None) -> Tensor:
         """doc_start: where the key offset stops (None: only at the sequence's start); x02: the second
         embedding (--second_embed), mixed in at x02_lambda as M L1185 does."""
-        x = self.lambdas[0] * x + self.lambdas[1] * x0
+        x = self.lambdas[0] * x + (self.lambdas[1] if self.x0_lambda is None else self.x0_lambda[0]) * x0
         if x02 is not None:
             x = x + self.x02_lambda[0] * x02
         if bigram is not None:
@@ -1212,6 +1243,7 @@ class GPT(nn.Module):
                                     fp8=fp8_kernels)
         if cfg.head_init_std:
             nn.init.normal_(self.lm_head.weight, mean=0.0, std=cfg.head_init_std)  # M L1073
+        self.embed_from_head = False  # track 2 (M L1148-1152): tokens are looked up in the head's weight while tied
 
     def forward(self, tokens: Tensor, targets: Tensor, windows: Tensor, mtp_weights: Tensor | None = None) -> Tensor:
         """Mean cross-entropy of one flat sequence (T,) of documents. windows: the (long, short) window
@@ -1256,7 +1288,8 @@ class GPT(nn.Module):
         # where smear and the key offset stop: document starts, or (M) the sequence's start alone
         doc_start = None if self.config.cross_document_shifts else tokens == EOT_TOKEN
         ve = [emb(tokens)[None] for emb in self.value_embeds]
-        x = self.embed(tokens)[None]
+        x = (F.embedding(tokens, self.lm_head.weight).type_as(self.embed.weight) if self.embed_from_head
+             else self.embed(tokens))[None]
         if self.smear_gate is not None:
             x = smear(x, self.smear_lambda[0] * sigmoid_gate(x, self.smear_gate), doc_start)
         x = x0 = rms_norm(x)
@@ -1624,6 +1657,10 @@ def build_model(args: Hyperparameters, rt: Runtime) -> GPT:
     for module in model.modules():
         if isinstance(module, nn.Embedding):
             module.to(rt.dtype)
+    if not args.adam_master:  # track 2 (M L1702-1704): the head and the gates too, which its Adam updates in place
+        for name, p in model.named_parameters():
+            if name == "lm_head.weight" or name.endswith("_gate"):
+                p.data = p.data.to(rt.dtype)
     return model
 
 
@@ -1680,14 +1717,18 @@ class Muon:
     """
 
     def __init__(self, buckets: list[Bucket], rank: int, lr: float, ns_steps: int, names: dict[Tensor, str],
-                 orthogonalize=None, normuon_beta2: float | None = None, cautious_wd: float = 0.0):
+                 orthogonalize=None, normuon_beta2: float | None = None, cautious_wd: float = 0.0,
+                 lr_muls: dict[Tensor, float] | None = None, per_row: typing.Collection[Tensor] = ()):
         self.buckets, self.rank, self.base_lr, self.ns_steps = buckets, rank, lr, ns_steps
         self.orthogonalize = orthogonalize or newton_schulz
         self.normuon_beta2, self.cautious_wd = normuon_beta2, cautious_wd
+        # Each matrix's lr (and decay) multiplier: the record's max(1, rows/cols)**0.5 on its own shape by default.
+        self.lr_muls = {p: (lr_muls or {}).get(p, shape_lr_multiplier(p.shape)) for b in buckets for p in b.real}
         self.index_of = {names[b.params[rank]]: i for i, b in enumerate(buckets) if b.params[rank] is not None}
         self.momentum_buffers = {i: torch.zeros_like(self.owned(i)) for i in self.index_of.values()}
-        self.second_moments = ({i: neuron_second_moment(self.owned(i)) for i in self.index_of.values()}
-                               if normuon_beta2 is not None else {})
+        per_row_ids = {id(p) for p in per_row}
+        self.second_moments = ({i: neuron_second_moment(self.owned(i), id(self.owned(i)) in per_row_ids)
+                                for i in self.index_of.values()} if normuon_beta2 is not None else {})
 
     def owned(self, i: int) -> nn.Parameter | None:
         return self.buckets[i].params[self.rank]
@@ -1701,33 +1742,35 @@ class Muon:
             p = self.owned(i)
             if p is not None:
                 buf = self.momentum_buffers[i]
-                buf.lerp_(grad.view_as(p), 1 - momentum)
-                update = self.orthogonalize(grad.view_as(p).lerp_(buf, momentum), self.ns_steps)  # Nesterov
+                grad = grad.view_as(p).to(buf.dtype)  # a bf16 gate (track 2) keeps bf16 momentum, as M does
+                buf.lerp_(grad, 1 - momentum)
+                update = self.orthogonalize(grad.lerp_(buf, momentum), self.ns_steps)  # Nesterov
                 if self.normuon_beta2 is not None:
                     update = normuon_normalize(update, self.second_moments[i], self.normuon_beta2)
             if bucket.world_size == 1:
-                self._apply(p, update, lr, self.cautious_wd)
+                self._apply(p, update, lr, self.cautious_wd, self.lr_muls[p])
                 continue
             if p is not None:
                 bucket.gather_in.copy_(update.flatten())
-            gathers.append((bucket, all_gather_into(bucket), lr, self.cautious_wd))
+            gathers.append((bucket, all_gather_into(bucket), lr, self.cautious_wd, self.lr_muls))
         return gathers
 
     @staticmethod
     def finish_step(gathers: list) -> None:
-        for bucket, work, lr, wd in gathers:
+        for bucket, work, lr, wd, lr_muls in gathers:
             work.wait()
             for j, p in enumerate(bucket.params):
                 if p is not None:
-                    Muon._apply(p, bucket.gather_out[j * bucket.shard_numel:(j + 1) * bucket.shard_numel], lr, wd)
+                    update = bucket.gather_out[j * bucket.shard_numel:(j + 1) * bucket.shard_numel]
+                    Muon._apply(p, update, lr, wd, lr_muls[p])
 
     @staticmethod
-    def _apply(p: Tensor, update: Tensor, lr: float, cautious_wd: float) -> None:
-        shape_scale = max(1.0, p.size(-2) / p.size(-1)) ** 0.5  # the record's max(1, rows/cols)**0.5
+    def _apply(p: Tensor, update: Tensor, lr: float, cautious_wd: float, lr_mul: float | None = None) -> None:
+        lr_mul = shape_lr_multiplier(p.shape) if lr_mul is None else lr_mul
         update = update.view_as(p).to(p.dtype)
         if cautious_wd:  # 2025-11-10_CautiousWD: the decay (lr * wd) joins the update where their signs agree
             update = update + (lr * cautious_wd) * cautious_mask(update, p.data) * p.data
-        p.data.sub_((lr * shape_scale) * update)
+        p.data.sub_((lr * lr_mul) * update)
 
     def state_tensors(self) -> dict[str, Tensor]:
         """The momenta (and NorMuon's second moments) of the matrices this rank owns, as muon/<parameter name>
@@ -1743,9 +1786,15 @@ def cautious_mask(update: Tensor, param: Tensor) -> Tensor:
     return (update * param >= 0).to(param.dtype)
 
 
-def neuron_second_moment(p: Tensor) -> Tensor:
-    """NorMuon's fp32 state: one mean square per row of a tall or square matrix, per column of a wide one."""
-    shape = (*p.shape[:-1], 1) if p.size(-2) >= p.size(-1) else (*p.shape[:-2], 1, p.size(-1))
+def shape_lr_multiplier(shape: typing.Sequence[int]) -> float:
+    """The record's Muon lr multiplier of a matrix stored as `shape`: max(1, rows/cols)**0.5."""
+    return max(1.0, shape[-2] / shape[-1]) ** 0.5
+
+
+def neuron_second_moment(p: Tensor, per_row: bool = False) -> Tensor:
+    """NorMuon's fp32 state: one mean square per row of a tall or square matrix, per column of a wide one;
+    per row always for a gate (track 2, M L614-619: one per head)."""
+    shape = (*p.shape[:-1], 1) if per_row or p.size(-2) >= p.size(-1) else (*p.shape[:-2], 1, p.size(-1))
     return torch.zeros(shape, dtype=torch.float32, device=p.device)
 
 
@@ -1754,7 +1803,8 @@ def normuon_normalize(update: Tensor, second_moment: Tensor, beta2: float) -> Te
     equal norms, the neurons along its long side do not. Their mean squares are averaged over steps
     (second_moment, updated in place) and divided out, then the update gets its Frobenius norm back."""
     u = update.float()
-    second_moment.lerp_(u.square().mean(dim=-1 if u.size(-2) >= u.size(-1) else -2, keepdim=True), 1 - beta2)
+    per_row = second_moment.size(-1) == 1 and second_moment.size(-2) == u.size(-2)  # its shape says which
+    second_moment.lerp_(u.square().mean(dim=-1 if per_row else -2, keepdim=True), 1 - beta2)
     normed = u * second_moment.clamp_min(1e-10).rsqrt()
     norm, normed_norm = u.norm(dim=(-2, -1), keepdim=True), normed.norm(dim=(-2, -1), keepdim=True)
     return normed * (norm / normed_norm.clamp_min(1e-10))
@@ -1792,14 +1842,15 @@ class ShardedAdam:
         fused = all(m.device.type in ("cpu", "cuda") for m in self.masters)
         self.adam = torch.optim.AdamW(param_groups, betas=betas, eps=eps, fused=fused)
 
-    def step(self, sync: GradientSync, scale: float, lr_mult: float) -> list:
-        """Updates the master slices and starts the all-gathers; returns them for finish_step."""
-        shards = {id(bucket): sync.wait(bucket, scale) for bucket in self.buckets}
-        for (bucket, _, offset), master in zip(self.slots, self.masters):
-            master.grad = shards[id(bucket)][offset:offset + master.numel()]
+    def step(self, sync: GradientSync, scale: float, lr_mult: float, frozen: typing.Collection[Tensor] = ()) -> list:
+        """Updates the master slices (not those of frozen parameters: no gradient, step or decay) and starts the
+        all-gathers; returns them for finish_step."""
+        shards = {id(bucket): sync.wait(bucket, scale) for bucket in self.buckets if sync.launches(bucket)}
+        for (bucket, p, offset), master in zip(self.slots, self.masters):
+            master.grad = None if p in frozen else shards[id(bucket)][offset:offset + master.numel()]
         for group in self.adam.param_groups:
             group["lr"] = group["base_lr"] * lr_mult
-            if group["cautious_wd"]:
+            if group["cautious_wd"] and group["params"][0].grad is not None:
                 self._cautious_decay(group)
         self.adam.step()
         for (bucket, p, offset), master in zip(self.slots, self.masters):
@@ -1808,7 +1859,8 @@ class ShardedAdam:
                 p.data.view(-1).copy_(master)
             else:
                 bucket.gather_in[offset:offset + master.numel()].copy_(master)
-        return [(bucket, all_gather_into(bucket)) for bucket in self.buckets if bucket.world_size > 1]
+        return [(bucket, all_gather_into(bucket)) for bucket in self.buckets
+                if bucket.world_size > 1 and sync.launches(bucket)]
 
     @staticmethod
     def finish_step(gathers: list) -> None:
@@ -1835,17 +1887,82 @@ class ShardedAdam:
             state["exp_avg"], state["exp_avg_sq"] = torch.zeros_like(master), torch.zeros_like(master)
         return state
 
+    def param_state(self, p: Tensor) -> dict[str, Tensor]:
+        """p's master slice and AdamW state (exp_avg, exp_avg_sq slices and the step count)."""
+        master = next(m for q, m in zip(self.params, self.masters) if q is p)
+        return {"master": master, **self.adam_state(master)}
+
     def state_tensors(self) -> dict[str, Tensor | FlatShard]:
         """adam/<parameter name>/<master|exp_avg|exp_avg_sq|step>: the slices as pieces of the flat
         parameter, which any world size can cut again; the step count is the same on every rank."""
-        out: dict[str, Tensor | FlatShard] = {}
-        for name, p, master in zip(self.names, self.params, self.masters):
-            state, numel = self.adam_state(master), p.numel()
-            out[f"adam/{name}/master"] = FlatShard(master, numel)
-            out[f"adam/{name}/exp_avg"] = FlatShard(state["exp_avg"], numel)
-            out[f"adam/{name}/exp_avg_sq"] = FlatShard(state["exp_avg_sq"], numel)
-            out[f"adam/{name}/step"] = state["step"]
-        return out
+        return adam_state_tensors(self.names, self.params, [self.param_state(p) for p in self.params])
+
+
+def adam_state_tensors(names: list[str], params: list[Tensor], states: list[dict[str, Tensor]]) -> dict:
+    """adam/<name>/<key> for each parameter's state: its slices as FlatShards of the flat parameter, the step as is."""
+    return {f"adam/{name}/{key}": x if key == "step" else FlatShard(x, p.numel())
+            for name, p, state in zip(names, params, states) for key, x in state.items()}
+
+
+class RecordAdam:
+    """Track 2's DistAdam (2025-12-31_BulkSmallTrackTransfer, M L700-830): each rank updates its slice of every
+    parameter in place, in the parameter's dtype (bf16 for the head, embeddings and gates), with no fp32 master;
+    the moments are bf16 too. The step is M's: lr * sqrt(1 - b2^t) / (1 - b1^t) * m / (sqrt(v) + eps), and the
+    cautious decay joins it where update * p > 0 (strict). The arithmetic runs in fp32 and is rounded once when
+    stored, as M's compiled step does."""
+
+    def __init__(self, buckets: list[Bucket], groups: dict[Tensor, AdamGroup], rank: int,
+                 betas: tuple[float, float], eps: float, names: dict[Tensor, str]):
+        self.buckets, self.rank, self.eps = buckets, rank, eps
+        self.slots = [(bucket, p, offset) for bucket in buckets for p, offset in zip(bucket.real, bucket.offsets)]
+        self.params = [p for _, p, _ in self.slots]
+        self.names = [names[p] for p in self.params]
+        self.groups = [dataclasses.replace(groups[p], betas=groups[p].betas or betas) for p in self.params]
+        self.states = []
+        for bucket, p, _ in self.slots:
+            moment = torch.zeros_like(owned_slice(p, rank, bucket.world_size), dtype=torch.bfloat16)
+            self.states.append({"exp_avg": moment, "exp_avg_sq": torch.zeros_like(moment),
+                                "step": torch.zeros((), dtype=torch.float32)})  # on the host: M's int
+
+    def step(self, sync: GradientSync, scale: float, lr_mult: float, frozen: typing.Collection[Tensor] = ()) -> list:
+        """Updates this rank's slices in place (not those of frozen parameters) and starts the all-gathers."""
+        shards = {id(bucket): sync.wait(bucket, scale) for bucket in self.buckets if sync.launches(bucket)}
+        for (bucket, p, offset), group, state in zip(self.slots, self.groups, self.states):
+            piece = owned_slice(p, self.rank, bucket.world_size)
+            if p not in frozen:
+                state["step"] += 1
+                record_adam_update(piece, shards[id(bucket)][offset:offset + piece.numel()], state,
+                                   group.lr * lr_mult, group.betas, self.eps, group.cautious_wd)
+            if bucket.world_size > 1:
+                bucket.gather_in[offset:offset + piece.numel()].copy_(piece)
+        return [(bucket, all_gather_into(bucket)) for bucket in self.buckets
+                if bucket.world_size > 1 and sync.launches(bucket)]
+
+    finish_step = ShardedAdam.finish_step
+
+    def param_state(self, p: Tensor) -> dict[str, Tensor]:
+        return next(state for q, state in zip(self.params, self.states) if q is p)
+
+    def state_tensors(self) -> dict[str, Tensor | FlatShard]:
+        """adam/<parameter name>/<exp_avg|exp_avg_sq|step>, as ShardedAdam's (which adds the master)."""
+        return adam_state_tensors(self.names, self.params, self.states)
+
+
+def record_adam_update(p: Tensor, grad: Tensor, state: dict[str, Tensor], lr: float, betas: tuple[float, float],
+                       eps: float, cautious_wd: float) -> None:
+    """M L806-829 on one slice p (updated in place) with its state (moments stored in their dtype, step already
+    counted): the decay lr * (lr * wd) * p joins the update where update * p > 0."""
+    b1, b2 = betas
+    t = float(state["step"])
+    m = state["exp_avg"].float().mul_(b1).add_(grad, alpha=1 - b1)
+    v = state["exp_avg_sq"].float().mul_(b2).addcmul_(grad, grad, value=1 - b2)
+    state["exp_avg"].copy_(m)
+    state["exp_avg_sq"].copy_(v)
+    update = m.div_(v.sqrt_().add_(eps)).mul_(lr * (1 - b2 ** t) ** 0.5 / (1 - b1 ** t))
+    weight = p.float()
+    if cautious_wd:
+        update.addcmul_(weight, (update * weight > 0).float(), value=lr * cautious_wd * lr)
+    p.copy_(weight.sub_(update))
 
 
 def owned_slice(p: Tensor, rank: int, world_size: int) -> Tensor:
@@ -1996,19 +2113,25 @@ class GradientSync:
     def __init__(self, buckets: list[Bucket], world_size: int, launch_from_hooks: bool = True):
         self.buckets, self.world_size = buckets, world_size
         self.armed = False
+        self.idle: set[int] = set()  # buckets left alone this step (their gradients kept, not reduced)
         self.bucket_of = {p: b for b in buckets for p in b.real}
         self.launched: set[int] = set()
         if launch_from_hooks:
             for p in self.bucket_of:
                 p.register_post_accumulate_grad_hook(self._on_grad_ready)
 
-    def arm(self, last_micro_step: bool) -> None:
+    def arm(self, last_micro_step: bool, idle: typing.Collection[Bucket] = ()) -> None:
         self.armed = last_micro_step
+        self.idle = {id(b) for b in idle}
+
+    def launches(self, bucket: Bucket) -> bool:
+        """Whether this step reduces the bucket (not idle)."""
+        return id(bucket) not in self.idle
 
     def _on_grad_ready(self, p: Tensor) -> None:
-        if not self.armed:
-            return
         bucket = self.bucket_of[p]
+        if not self.armed or not self.launches(bucket):
+            return
         bucket.ready += 1
         if bucket.ready == len(bucket.real):
             self._launch(bucket)
@@ -2025,7 +2148,7 @@ class GradientSync:
     def finish(self) -> None:
         """Launches the buckets not launched yet (all of them without hooks; else those without a gradient)."""
         for bucket in self.buckets:
-            if id(bucket) not in self.launched:
+            if id(bucket) not in self.launched and self.launches(bucket):
                 self._launch(bucket)
         self.armed = False
 
@@ -2039,6 +2162,19 @@ class GradientSync:
 
     def reset(self) -> None:
         self.launched.clear()
+        self.idle = set()
+
+
+def gather_flat(piece: Tensor, numel: int, world_size: int) -> Tensor:
+    """The whole flat tensor of numel elements whose owned_slice on each rank is piece (all-gathered)."""
+    if world_size == 1:
+        return piece
+    chunk = -(-numel // world_size)
+    padded = piece.new_zeros(chunk)
+    padded[:piece.numel()].copy_(piece)
+    whole = piece.new_empty(chunk * world_size)
+    TORCH_API.all_gather_flat(whole, padded)
+    return whole[:numel]
 
 
 def all_gather_into(bucket: Bucket):
@@ -2050,8 +2186,27 @@ def all_gather_into(bucket: Bucket):
 class Optimizers:
     sync: GradientSync
     muon: Muon | None
-    adam: ShardedAdam
+    adam: ShardedAdam | RecordAdam
     world_size: int
+    adam_every: int = 1  # track 2: Adam steps on every adam_every-th step, on the gradients summed since its last
+    frozen: set = dataclasses.field(default_factory=set)  # parameters Adam leaves alone (a tied embedding)
+    adam_now: bool = True  # whether Adam steps at the current step (start_step)
+    held_accum: int | None = None  # the micro-steps the gradients Adam holds were summed over, if it holds any
+
+    def start_step(self, step: int, accum: int) -> None:
+        """Before step's first backward: whether Adam steps now; held gradients (summed over held_accum micro-steps)
+        are rescaled to this step's accum, so that each step's gradient enters the sum as its own mean."""
+        self.adam_now = (step + 1) % self.adam_every == 0
+        if self.held_accum is not None and self.held_accum != accum:
+            for p in self.adam.params:
+                if p.grad is not None:
+                    p.grad.mul_(accum / self.held_accum)
+        self.held_accum = None if self.adam_now else accum
+
+    def arm(self, last_micro_step: bool) -> None:
+        """Before each backward: Adam's buckets (all of them between its steps, a frozen one always) stay idle."""
+        idle = [b for b in self.adam.buckets if not self.adam_now or all(p in self.frozen for p in b.real)]
+        self.sync.arm(last_micro_step, idle)
 
     def step(self, lr_mult: float, momentum: float, accum: int) -> None:
         """Muon first (its Newton-Schulz overlaps Adam's reduce-scatters), then Adam; the all-gathers
@@ -2060,38 +2215,122 @@ class Optimizers:
         self.sync.finish()
         scale = 1.0 / (self.world_size * accum)
         muon_gathers = self.muon.step(self.sync, scale, lr_mult, momentum) if self.muon else []
-        adam_gathers = self.adam.step(self.sync, scale, lr_mult)
+        adam_gathers = self.adam.step(self.sync, scale, lr_mult, self.frozen) if self.adam_now else []
         Muon.finish_step(muon_gathers)
         ShardedAdam.finish_step(adam_gathers)
         self.sync.reset()
+
+    def zero_grad(self, model: nn.Module) -> None:
+        """Fresh gradients for the next step, except the ones Adam holds until its next step."""
+        if self.adam_now:
+            model.zero_grad(set_to_none=True)  # R: the next backward writes fresh gradients, no zeroing kernels
+            return
+        held = {id(p) for p in self.adam.params}
+        for p in model.parameters():
+            if id(p) not in held:
+                p.grad = None
+
+    def untie(self, head: nn.Parameter, embed: nn.Parameter) -> None:
+        """Track 2's split (M L770-779): the embedding takes the head's weight (its first rows) and the head's
+        Adam state, moments and step count alike, and Adam updates it from now on."""
+        rows = embed.size(0)
+        with torch.no_grad():
+            embed.copy_(head[:rows])
+            source, target = self.adam.param_state(head), self.adam.param_state(embed)
+            for key, x in target.items():
+                if key == "step":
+                    x.copy_(source[key])
+                else:  # the head's slices are not the embedding's when their row counts differ
+                    whole = gather_flat(source[key], head.numel(), self.world_size)[:embed.numel()]
+                    x.copy_(owned_slice(whole, self.adam.rank, self.world_size))
+        self.frozen.discard(embed)
 
     def state_tensors(self) -> dict[str, Tensor | FlatShard]:
         """Every optimizer tensor this rank holds, aliasing the live ones, under world-size-free names."""
         return {**self.adam.state_tensors(), **(self.muon.state_tensors() if self.muon else {})}
 
 
-def build_optimizers(model: GPT, args: Hyperparameters, rank: int, world_size: int,
-                     grad_sync_from_hooks: bool = True, compile_newton_schulz: bool = False) -> Optimizers:
-    """Muon for matrices inside the blocks; Adam for head, embeddings and scalars (and matrices without Muon).
-    The gates' 12-wide weights count as scalars, at their technique's gate_lrs share of the scalar lr
-    (2025-12-31_GatesToCompiledAdam moved them to Adam)."""
+MUON_GATES = ("attn_gate", "ve_gate")  # track 2 trains these in Muon (M L949-957); the smear and skip gates in Adam
+RECORD_C_PROJ_LR_MUL = 2.0  # M L1001: the MLP's output projection's lr_mul
+
+
+def record_stored_shape(name: str, p: Tensor, cfg: ModelConfig) -> tuple[int, int]:
+    """The shape M stores a hidden matrix in, which its Muon lr multiplier reads (M L633-649): Q, K, V and O in
+    one (4 * model_dim, heads * head_dim) matrix (M L940), both MLP matrices as (4 * model_dim, model_dim)."""
+    if name.endswith("attn.qkv_w") or name.endswith("attn.c_proj.weight"):
+        return 4 * cfg.model_dim, cfg.n_head * cfg.head_dim
+    if name.endswith("mlp.c_proj.weight"):
+        return p.shape[-1], p.shape[-2]  # stored transposed (M L996-997)
+    return p.shape[-2], p.shape[-1]
+
+
+def muon_lr_multipliers(model: GPT, args: Hyperparameters, muon_params: list[Tensor]) -> dict[Tensor, float]:
+    """Each Muon matrix's lr (and decay) multiplier: max(1, rows/cols)**0.5 on its own shape; with
+    record_muon_shapes on M's stored shape, times M's lr_mul (2 on the MLP's c_proj; the gates' muon_gate_lr_mul)."""
+    out = {}
+    for name, p in model.named_parameters():
+        if not any(p is q for q in muon_params):
+            continue
+        shape = record_stored_shape(name, p, model.config) if args.record_muon_shapes else p.shape
+        lr_mul = RECORD_C_PROJ_LR_MUL if args.record_muon_shapes and name.endswith("mlp.c_proj.weight") else 1.0
+        if name.endswith(MUON_GATES) and args.muon_gates:
+            lr_mul = args.muon_gate_lr_mul
+        out[p] = shape_lr_multiplier(shape) * lr_mul
+    return out
+
+
+def is_x0_lambda(name: str) -> bool:
+    """The per-layer weights of the embeddings x0 (and the t2 model's second embedding x02) in the stream's mix."""
+    return name.endswith(("x0_lambda", "x02_lambda", "x0_lambdas", "x02_lambdas"))
+
+
+def adam_groups(model: GPT, args: Hyperparameters, in_muon: list[Tensor]) -> list[AdamGroup]:
+    """Adam's parameters and settings: the head, the embeddings and the scalars (gates, lambdas) not in Muon, and the
+    hidden matrices without Muon. The gates' weights count as scalars, at their technique's gate_lrs share of the
+    scalar lr (2025-12-31_GatesToCompiledAdam), unless gate_adam_lr puts them in the main Adam (track 2)."""
     gate_lrs = {name: scale for technique in TECHNIQUES for name, scale in technique.gate_lrs.items()}
-    gates = {p: gate_lrs[name.rsplit(".", 1)[-1]] for name, p in model.named_parameters() if name.endswith("_gate")}
-    hidden = [p for p in model.blocks.parameters() if p.ndim >= 2 and p not in gates]
-    embeds = [model.embed.weight, *(e.weight for e in model.value_embeds)]
-    embeds += [model.bigram_embed.weight] if model.bigram_embed is not None else []
-    embeds += [model.embed2.weight] if model.embed2 is not None else []  # M L1079: embed_lr, as the value tables
-    scalars = [p for p in model.parameters() if p.ndim < 2 or p in gates]
     adam_wd = args.adam_cautious_wd if args.cautious_wd else 0.0  # never on the scalars (the record's wd_mul 0)
     scalar_betas = (args.scalar_adam_beta1 if args.scalar_adam_beta1 is not None else args.adam_beta1,
                     args.scalar_adam_beta2 if args.scalar_adam_beta2 is not None else args.adam_beta2)
-    adam_groups = [AdamGroup(model.lm_head.weight, args.head_lr, args.weight_decay, adam_wd)]
-    adam_groups += [AdamGroup(p, args.embed_lr, cautious_wd=adam_wd) for p in embeds]
-    adam_groups += [AdamGroup(p, args.scalar_lr * gates.get(p, 1.0), betas=scalar_betas) for p in scalars]
-    if not args.muon:
-        adam_groups += [AdamGroup(p, args.matrix_adam_lr, args.weight_decay, adam_wd) for p in hidden]
-    muon_part = muon_buckets(hidden, world_size) if args.muon else []
-    adam_part = adam_buckets([g.param for g in adam_groups], scalars, world_size)
+    main_betas = (args.adam_beta1, args.adam_beta2)
+    token_lr = args.embed_lr if args.token_embed_lr is None else args.token_embed_lr
+    groups = []
+    for name, p in model.named_parameters():
+        if any(p is q for q in in_muon):
+            continue
+        if name == "lm_head.weight":
+            groups.append(AdamGroup(p, args.head_lr, args.weight_decay, adam_wd * args.head_embed_wd_mul))
+        elif name == "embed.weight":
+            groups.append(AdamGroup(p, token_lr, cautious_wd=adam_wd * args.head_embed_wd_mul))
+        elif name.startswith("value_embeds.") or name.endswith("embed2.weight"):
+            groups.append(AdamGroup(p, args.embed_lr, cautious_wd=adam_wd * args.value_embed_wd_mul))
+        elif name.startswith("bigram_embed."):
+            groups.append(AdamGroup(p, args.embed_lr, cautious_wd=adam_wd))
+        elif name.endswith("_gate") and args.gate_adam_lr is not None:
+            groups.append(AdamGroup(p, args.gate_adam_lr, betas=main_betas))
+        elif name.endswith("_gate"):
+            groups.append(AdamGroup(p, args.scalar_lr * gate_lrs[name.rsplit(".", 1)[-1]], betas=scalar_betas))
+        elif is_x0_lambda(name) and args.x0_lambda_lr is not None:
+            groups.append(AdamGroup(p, args.x0_lambda_lr, betas=main_betas))
+        elif p.ndim < 2:
+            groups.append(AdamGroup(p, args.scalar_lr, betas=scalar_betas))
+        else:  # a hidden matrix, without Muon
+            groups.append(AdamGroup(p, args.matrix_adam_lr, args.weight_decay, adam_wd))
+    return groups
+
+
+def build_optimizers(model: GPT, args: Hyperparameters, rank: int, world_size: int,
+                     grad_sync_from_hooks: bool = True, compile_newton_schulz: bool = False) -> Optimizers:
+    """Muon for matrices inside the blocks (and, with muon_gates, the attention and value-embedding gates); Adam
+    for the rest (adam_groups)."""
+    gates = [p for name, p in model.named_parameters() if name.endswith("_gate")]
+    muon_gates = [p for name, p in model.named_parameters() if name.endswith(MUON_GATES)] if args.muon_gates else []
+    hidden = [p for p in model.blocks.parameters() if p.ndim >= 2 and not any(p is g for g in gates)]
+    in_muon = hidden + muon_gates if args.muon else []
+    groups = adam_groups(model, args, in_muon)
+    small = [g.param for g in groups if g.param.ndim < 2 or any(g.param is q for q in gates)]
+    muon_part = muon_buckets(in_muon, world_size)
+    adam_part = adam_buckets([g.param for g in groups], small, world_size)
     assert sum(b.numel() for b in muon_part + adam_part) == sum(p.numel() for p in model.parameters())
     # Consumption order (Muon, then Adam): the launch order when the compiled backward leaves no overlap.
     sync = GradientSync(muon_part + adam_part, world_size, launch_from_hooks=grad_sync_from_hooks)
@@ -2101,11 +2340,12 @@ def build_optimizers(model: GPT, args: Hyperparameters, rank: int, world_size: i
     orthogonalize = torch.compile(orthogonalize, dynamic=False) if compile_newton_schulz else orthogonalize
     muon = Muon(muon_part, rank, args.muon_lr, args.ns_steps, names, orthogonalize,
                 normuon_beta2=args.normuon_beta2 if args.normuon else None,
-                cautious_wd=args.muon_cautious_wd if args.cautious_wd else 0.0) if args.muon else None
-    return Optimizers(sync=sync, muon=muon,
-                      adam=ShardedAdam(adam_part, {g.param: g for g in adam_groups}, rank,
-                                       (args.adam_beta1, args.adam_beta2), args.adam_eps, names),
-                      world_size=world_size)
+                cautious_wd=args.muon_cautious_wd if args.cautious_wd else 0.0,
+                lr_muls=muon_lr_multipliers(model, args, in_muon), per_row=muon_gates) if args.muon else None
+    adam_kind = ShardedAdam if args.adam_master else RecordAdam
+    adam = adam_kind(adam_part, {g.param: g for g in groups}, rank, (args.adam_beta1, args.adam_beta2), args.adam_eps,
+                     names)
+    return Optimizers(sync=sync, muon=muon, adam=adam, world_size=world_size, adam_every=args.adam_every)
 
 
 # -----------------------------------------------------------------------------
@@ -2709,6 +2949,48 @@ TECHNIQUES: tuple[Technique, ...] = (
                                     "pass one of them"),),
         only_when=(only_with("muon_cautious_wd", "adam_cautious_wd", switch="cautious_wd"),
                    only_with("muon_cautious_wd", switch="muon"))),
+    # Track 2's optimizers (2025-12-31_BulkSmallTrackTransfer, M L425-830, L1040-1120, L1480-1600).
+    Technique(
+        "record_muon_shapes", ("2025-12-31_BulkSmallTrackTransfer",), "optimizer", {"record_muon_shapes": ANY_BOOL},
+        {"medium": {}}, left_out=only_track_2("Muon's lr from the matrices' own shapes"),
+        refusals=(needs_muon("record_muon_shapes"),)),
+    Technique(
+        "muon_gates", ("2025-12-31_BulkSmallTrackTransfer",), "optimizer",
+        {"muon_gates": ANY_BOOL, "muon_gate_lr_mul": LR}, {"medium": {}},
+        left_out=only_track_2("the gates in the scalar Adam (2025-12-31_GatesToCompiledAdam)"),
+        refusals=(needs_muon("muon_gates"),), optimizer_state=True,
+        only_when=(only_with("muon_gate_lr_mul", switch="muon_gates"),)),
+    Technique(
+        "adam_every", ("2025-12-31_BulkSmallTrackTransfer",), "optimizer", {"adam_every": integer(1, 1000)},
+        {"medium": {}}, left_out=only_track_2("an Adam step every step"),
+        refusals=(Refusal(lambda a: a.checkpoint_every % a.adam_every,
+                          lambda a: f"--checkpoint_every={a.checkpoint_every} would checkpoint between Adam steps, "
+                                    f"which --adam_every={a.adam_every} spaces; pass a multiple of it"),
+                  Refusal(lambda a: a.stop_after % a.adam_every,
+                          lambda a: f"--stop_after={a.stop_after} would stop between Adam steps, which "
+                                    f"--adam_every={a.adam_every} spaces; pass a multiple of it"))),
+    Technique(
+        "adam_master", ("2025-12-31_BulkSmallTrackTransfer",), "optimizer", {"adam_master": ANY_BOOL},
+        {"medium": {}}, left_out=only_track_2("an fp32 Adam master"), optimizer_state=True,
+        refusals=(Refusal(lambda a: not a.adam_master and a.weight_decay,
+                          lambda a: f"--adam_master=false is the record's Adam, whose only decay is the cautious one,"
+                                    f" not --weight_decay={a.weight_decay}; pass --weight_decay=0"),)),
+    Technique(
+        "adam_groups", ("2025-12-31_BulkSmallTrackTransfer",), "optimizer",
+        {"token_embed_lr": Rule(lambda v: v is None or LR.ok(v), LR.valid + ", or none"),
+         "head_embed_wd_mul": number(0.0), "value_embed_wd_mul": number(0.0),
+         "gate_adam_lr": Rule(lambda v: v is None or LR.ok(v), LR.valid + ", or none")},
+        {"medium": {}}, left_out=only_track_2("the reference's Adam groups")),
+    Technique(
+        "x0_lambda_apart", ("2025-12-31_BulkSmallTrackTransfer",), "optimizer",
+        {"x0_lambda_lr": Rule(lambda v: v is None or LR.ok(v), LR.valid + ", or none")},
+        {"medium": {}}, left_out=only_track_2("the x0 lambdas among the scalars"), optimizer_state=True),
+    Technique(
+        "tied_embed", ("2025-12-31_BulkSmallTrackTransfer",), "optimizer", {"tied_embed_steps": integer(0)},
+        {"medium": {}}, left_out=only_track_2("an embedding of its own from the start"),
+        refusals=(Refusal(lambda a: a.tied_embed_steps and a.tied_embed_steps >= a.num_iterations,
+                          lambda a: f"--tied_embed_steps={a.tied_embed_steps} unties the embedding after a step "
+                                    f"past the last (--num_iterations={a.num_iterations}); pass fewer or 0"),)),
     Technique(
         "smoothed_scalars", ("2025-12-21_SmoothedScalars",), "optimizer",
         {"scalar_adam_beta1": OPTIONAL_BETA, "scalar_adam_beta2": OPTIONAL_BETA},
@@ -3425,6 +3707,8 @@ def warm_up(run: Run) -> None:
         for name, x in live.tensors.items():
             local_part(x).copy_(saved[name])
     run.stream.load_state(live.loader)
+    run.model.zero_grad(set_to_none=True)  # what Adam held between its steps (adam_every) goes with the rest
+    run.opt.held_accum = None
 
 
 def warm_up_steps(warmup_steps: int, batches: BatchSchedule) -> list[int]:
@@ -3489,20 +3773,32 @@ def follow_yarn_logged(run: Run, step: int) -> None:
                       f"scale {changed[1]:.7g}")
 
 
+def tie_embedding(run: Run, step: int) -> None:
+    """Track 2 (M L1148-1152, L1583-1585): through step tied_embed_steps the tokens are looked up in the head's
+    weight, and Adam leaves the embedding alone (no gradient, step or decay) until the split hands it over."""
+    tied = 0 < run.args.tied_embed_steps and step <= run.args.tied_embed_steps
+    run.model.embed_from_head = tied
+    run.opt.frozen = {run.model.embed.weight} if tied else set()
+
+
 def train_step(run: Run, step: int) -> Tensor:
     """One optimizer step: forward and backward over the stage's micro-batches (the last one's backward launches
     the gradient reduce-scatters), the optimizers at the step's lr and momentum, then fresh gradients. Returns
     this rank's mean loss, on the device (--loss_sum: its summed loss per input token)."""
     args, windows, mtp = run.args, run.schedules.windows(step), run.schedules.mtp_weights(step)
     accum = run.batches.accum(step)
+    run.opt.start_step(step, accum)
+    tie_embedding(run, step)
     losses = []
     for i, (x, y) in enumerate(run.loader.next_batch(accum, run.batches.seq_len(step))):
-        run.opt.sync.arm(i == accum - 1)
+        run.opt.arm(i == accum - 1)
         loss = run.step_model(x, y, windows, *mtp)
         loss.backward()
         losses.append(loss.detach() / x.numel() if args.loss_sum else loss.detach())
     run.opt.step(lr_multiplier_at(run, step), muon_momentum_at(step, args), accum)
-    run.model.zero_grad(set_to_none=True)  # R: the next backward writes fresh gradients, no zeroing kernels
+    if args.tied_embed_steps and step == args.tied_embed_steps:
+        run.opt.untie(run.model.lm_head.weight, run.model.embed.weight)
+    run.opt.zero_grad(run.model)
     return torch.stack(losses).mean()
 
 
@@ -3517,6 +3813,7 @@ def train_loop(run: Run, start_step: int, stop: StopSignal, resumed_from: Path |
     with profiling(run) as profiler, progress_bar(range(start_step, N), "training", rt.is_master) as bar:
         for step in range(start_step, N + 1):
             follow_yarn_logged(run, step)
+            tie_embedding(run, step)
             # ---------------- VALIDATION ----------------
             validate_now = step == N or due(step, args.val_every)
             hellaswag_now = run.hellaswag_items is not None and (step == N or due(step, args.hellaswag_every))
@@ -3603,6 +3900,8 @@ def checkpoint_or_stop(run: Run, step: int, start_step: int, signum: int | None,
     reached; returns the exit status when the run stops here, None to go on."""
     args, log = run.args, run.log
     stop_after = args.stop_after > 0 and step == args.stop_after
+    if signum and step % args.adam_every:
+        signum = None  # Adam holds gradients between its steps (adam_every): stop at its next step
     if not (due(step, args.checkpoint_every) and step > start_step or signum or stop_after):
         return None
     checkpointing = args.checkpoint_every > 0 or args.checkpoint_final or args.stop_after > 0

@@ -137,6 +137,11 @@ BAD_VALUES = {  # field: (a value just inside the valid range, values outside it
     "cross_document_shifts": ("true", ["x"]), "qkv_init_gain": ("1", ["-1", "nan"]),
     "head_init_std": ("0.005", ["-0.1", "inf"]), "value_embed_zero_init": ("true", ["x"]),
     "bf16_rotary": ("true", ["x"]), "bf16_train_logits": ("true", ["x"]), "loss_sum": ("true", ["x"]),
+    "record_muon_shapes": ("true", ["x"]), "muon_gates": ("true", ["x"]), "muon_gate_lr_mul": ("0.1", ["-1", "nan"]),
+    "adam_every": ("2", ["0", "-1"]), "adam_master": ("false", ["x"]), "token_embed_lr": ("none", ["-1", "x"]),
+    "head_embed_wd_mul": ("150", ["-1", "inf"]), "value_embed_wd_mul": ("5", ["-1", "nan"]),
+    "x0_lambda_lr": ("0.04", ["-1", "x"]), "gate_adam_lr": ("8e-5", ["-1", "nan"]),
+    "tied_embed_steps": ("0", ["-1"]),
 }
 
 
@@ -148,7 +153,7 @@ def test_every_hyperparameter_has_a_rule_and_bad_values_here():
 USED_ONLY_WITH = {"matrix_adam_lr": ["--muon=false"], "batch_lr_exponent": ["--batch_schedule=1/2,1"],
                   "normuon_beta2": ["--normuon=true"], "muon_cautious_wd": ["--cautious_wd=true"],
                   "adam_cautious_wd": ["--cautious_wd=true"], "stage_lr_shares": ["--batch_schedule=1/2,1"],
-                  "yarn_max_window": ["--window_stages=1,2"]}
+                  "yarn_max_window": ["--window_stages=1,2"], "muon_gate_lr_mul": ["--muon_gates=true"]}
 
 
 @pytest.mark.parametrize("name", sorted(BAD_VALUES))
@@ -225,6 +230,7 @@ UNUSED = {
     "token_exact_windows": ["--sliding_window=false", "--token_exact_windows=true"],
     "skip_connections": ["--unet_skips=false", "--skip_connections=2>5"],
     "skip_sigmoid": ["--unet_skips=false", "--skip_sigmoid=true"],
+    "muon_gate_lr_mul": ["--muon_gate_lr_mul=0.2"],
 }
 
 
@@ -282,7 +288,8 @@ def test_a_resumed_run_judges_unused_flags_on_its_checkpoint_s_values():
 @pytest.mark.parametrize("argv, message", [
     (["--mtp_tokens=300", "--seq_len=256", "--batch_tokens=512"],
      "--mtp_tokens=300 predicts more tokens than a --seq_len=256 sequence holds; pass at most 256"),
-    (["--preset=medium", "--num_iterations=11", "--batch_schedule=", "--extension_steps=0"],
+    (["--preset=medium", "--num_iterations=11", "--batch_schedule=", "--extension_steps=0",
+      "--tied_embed_steps=0"],
      "--window_stages has 12 stages but --num_iterations=11 has fewer steps"),
     (["--preset=medium", "--extension_steps=4740"],
      "--extension_steps=4740 leaves no scheduled step of --num_iterations=4740; pass fewer extension steps"),

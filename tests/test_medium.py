@@ -234,10 +234,11 @@ class StepTensorsAt:
 # sequences of 128 to 512 tokens, its window stages, capped short window and early MTP, on the bundled sample.
 TINY_MEDIUM = ["--preset=medium", "--train_files=data/sample/sotu_train_*.bin", "--val_files=data/sample/sotu_val_*.bin",
                "--n_layer=10", "--model_dim=64", "--n_head=2", "--head_dim=32", "--batch_sequences=2", "--seq_len=512",
-               "--batch_tokens=1024", "--val_seq_len=256", "--val_tokens=512", "--num_iterations=13",
-               "--extension_steps=1", "--muon_momentum_cooldown_steps=2", "--val_every=6", "--warmup_steps=0",
+               "--batch_tokens=1024", "--val_seq_len=256", "--val_tokens=512", "--num_iterations=14",
+               "--extension_steps=2", "--muon_momentum_cooldown_steps=2", "--val_every=6", "--warmup_steps=0",
                "--log_train_loss=true", "--compile=off", "--attention=banded", "--dtype=fp32",
-               "--skip_connections=4>6,2>7,1>8"]  # the record's 6>9,4>10,2>11 needs 12 layers
+               "--skip_connections=4>6,2>7,1>8",  # the record's 6>9,4>10,2>11 needs 12 layers
+               "--tied_embed_steps=5"]  # M's split (785) at an odd step inside the 12 scheduled
 
 
 def test_a_tiny_medium_trains_on_cpu_through_every_medium_only_path(tmp_path):
@@ -252,15 +253,15 @@ def test_a_tiny_medium_trains_on_cpu_through_every_medium_only_path(tmp_path):
     log = (tmp_path / "m1.txt").read_text()
     assert "(derived) batch_stage_seq_len = 128/256/384/512/512/512" in log
     losses = train_losses(log)
-    assert sorted(losses) == list(range(1, 14)) and losses[13] < losses[1]
+    assert sorted(losses) == list(range(1, 15)) and losses[14] < losses[1]
     assert [line.split(",")[0] for line in log.splitlines() if line.startswith("yarn:")] == [
         f"yarn: from step {step}" for step in (1, 2, 3)]  # 3 -> 7 -> 11 -> 13 blocks; none from 15 on
     assert summary["final_val_loss"] < summary["val_curve"][0][1]
-    small = run_main(["--preset=speedrun", f"--resume={tmp_path / 'm1' / 'step_000013'}", "--run_id=small"], tmp_path)
+    small = run_main(["--preset=speedrun", f"--resume={tmp_path / 'm1' / 'step_000014'}", "--run_id=small"], tmp_path)
     assert small.returncode == 2 and small.stderr.count("\n") == 1
     assert "--preset=speedrun differs from checkpoint" in small.stderr and "a resumed run keeps its preset" in \
         small.stderr
-    meta_path = tmp_path / "m1" / "step_000013" / "checkpoint.json"
+    meta_path = tmp_path / "m1" / "step_000014" / "checkpoint.json"
     meta = json.loads(meta_path.read_text())
     del meta["hyperparameters"]["batch_sequences"]  # as the train_gpt.py before it wrote it
     meta_path.write_text(json.dumps(meta))
@@ -316,3 +317,31 @@ def test_the_memory_estimate_measures_the_longest_packed_sequence_in_training_an
     rows = [line.split(" | ")[1:4] for line in out.splitlines() if line.startswith("| reference |")]
     assert rows == [["train step", "1", "2"], ["warm-up", "1", "2"], ["train step", "2", "1"], ["warm-up", "2", "1"]]
     assert set(lengths) == {512}
+
+
+@pytest.mark.parametrize("stop", [4, 6])
+def test_a_tiny_medium_resumes_on_either_side_of_the_split_as_if_never_stopped(tmp_path, stop):
+    """The tie (split after step 5), the odd-step Adam and the bf16 record Adam survive a checkpoint taken before
+    the split (step 4) and after it (step 6): the resumed run ends on the uninterrupted one's losses."""
+    base = TINY_MEDIUM
+    whole = run_main(base + ["--run_id=whole"], tmp_path)
+    assert whole.returncode == 0, whole.stderr[-2000:]
+    first = run_main(base + ["--run_id=part", f"--stop_after={stop}"], tmp_path)
+    assert first.returncode == 0, first.stderr[-2000:]
+    rest = run_main(base + ["--run_id=part", "--resume=auto"], tmp_path)
+    assert rest.returncode == 0, rest.stderr[-2000:]
+    want, got = (json.loads((tmp_path / f"{name}.json").read_text()) for name in ("whole", "part"))
+    assert got["final_val_loss"] == want["final_val_loss"]
+    assert train_losses((tmp_path / "part.txt").read_text()) == train_losses((tmp_path / "whole.txt").read_text())
+
+
+def test_a_checkpoint_of_the_medium_preset_before_its_record_optimizers_is_refused_in_one_line(tmp_path):
+    """Its checkpoint.json records none of the optimizer-structure flags (gates in Muon, no Adam master, the x0
+    lambdas apart): its tensors are not this run's, and check_compatible says which flag in one line."""
+    args = T.parse_args(["--preset=medium"], False)
+    old = {k: v for k, v in dataclasses.asdict(args).items()
+           if k not in ("muon_gates", "adam_master", "x0_lambda_lr")}
+    with pytest.raises(T.UsageError) as e:
+        T.check_compatible(tmp_path, {"hyperparameters": old, "step": 10}, args)
+    assert "muon_gates" in str(e.value) and "\n" not in str(e.value)
+    assert {"muon_gates", "adam_master", "x0_lambda_lr"} <= set(T.OPTIMIZER_STRUCTURE_FIELDS)
