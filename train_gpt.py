@@ -1953,12 +1953,12 @@ def record_adam_update(p: Tensor, grad: Tensor, state: dict[str, Tensor], lr: fl
     """M L806-829 on one slice p (updated in place) with its state (moments stored in their dtype, step already
     counted): the decay lr * (lr * wd) * p joins the update where update * p > 0."""
     b1, b2 = betas
-    t = float(state["step"])
+    t = state["step"].double()  # a host tensor read as M's Python number, never .item(): fake tensors run it too
     m = state["exp_avg"].float().mul_(b1).add_(grad, alpha=1 - b1)
     v = state["exp_avg_sq"].float().mul_(b2).addcmul_(grad, grad, value=1 - b2)
     state["exp_avg"].copy_(m)
     state["exp_avg_sq"].copy_(v)
-    update = m.div_(v.sqrt_().add_(eps)).mul_(lr * (1 - b2 ** t) ** 0.5 / (1 - b1 ** t))
+    update = m.div_(v.sqrt_().add_(eps)).mul_(lr * ((1 - b2 ** t) ** 0.5 / (1 - b1 ** t)))
     weight = p.float()
     if cautious_wd:
         update.addcmul_(weight, (update * weight > 0).float(), value=lr * cautious_wd * lr)

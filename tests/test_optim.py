@@ -579,7 +579,8 @@ def test_the_strict_cautious_mask_leaves_a_weight_with_a_zero_update():
 def tiny_medium(*extra, seed=0):
     args = T.parse_args(["--preset=medium", "--n_layer=2", "--model_dim=64", "--n_head=2", "--head_dim=32",
                          "--vocab_size=512", "--seq_len=256", "--batch_tokens=256", "--batch_schedule=",
-                         "--num_iterations=20", "--tied_embed_steps=0", "--zero_init=false", *extra], False)
+                         "--num_iterations=20", "--extension_steps=0", "--muon_momentum_cooldown_steps=0",
+                             "--batch_sequences=0", "--skip_connections=0>1", "--tied_embed_steps=0", "--zero_init=false", *extra], False)
     torch.manual_seed(seed)
     model = T.build_model(args, runtime())
     return args, model, T.build_optimizers(model, args, rank=0, world_size=1)
@@ -675,7 +676,8 @@ def medium_ranks_worker(rank, world_size, port, out):
     try:
         args = T.parse_args(["--preset=medium", "--n_layer=2", "--model_dim=64", "--n_head=2", "--head_dim=32",
                              "--vocab_size=512", "--seq_len=256", "--batch_tokens=1024", "--batch_schedule=",
-                             "--num_iterations=20", "--tied_embed_steps=1", "--zero_init=false", "--dtype=fp32"],
+                             "--num_iterations=20", "--extension_steps=0", "--muon_momentum_cooldown_steps=0",
+                             "--batch_sequences=0", "--skip_connections=0>1", "--tied_embed_steps=1", "--zero_init=false", "--dtype=fp32"],
                             False)
         rt = T.Runtime(rank=rank, local_rank=rank, world_size=world_size, device=torch.device("cpu"),
                        dtype=torch.float32, attention="banded", fp8_head=False, compile="off")
