@@ -298,15 +298,14 @@ PRESETS = {
         target_val_loss=5.7,  # the committed cpu record reaches it at step 40 of 60 (5.677)
     ),
     # Track 2, GPT-2-medium-class to 2.92: the record of modded-nanogpt PR #188 (2025-12-31, records/track_2_medium/
-    # 2025-12-31_BulkSmallTrackTransfer; "M" below: its train_gpt_medium.py at d7011639), as far as this trainer's
-    # techniques reach (docs/presets.md: what it leaves out). Every lr is M's at its final batch: M's base lr
-    # times its peak multiplier 2.0 (get_lr), the batch stages scaling down from there.
+    # 2025-12-31_BulkSmallTrackTransfer; "M" below: its train_gpt_medium.py at d7011639), value for value
+    # (docs/track2-record-fidelity.md). Every lr is M's at its final batch: M's base lr times its peak multiplier
+    # 2.0 (get_lr), the batch stages' shares scaling down from there.
     "medium": dict(
         n_layer=16, model_dim=1024, n_head=8, head_dim=128,  # M L1688-1695
         value_embed_tables=5, attention_free_layer=False,  # M: tables at layers 0-4 and 11-15; all 16 layers attend
         batch_tokens=524288, batch_schedule="1/4,1/2,3/4,1,1,1,1,1,1,1,1,1",  # M L1617-1620: 12 equal stages
         batch_sequences=8,  # M L1351, L1718: one packed buffer of stage/8 tokens per GPU on its 8 GPUs
-        batch_lr_exponent=0.5,  # M's stage lrs 0.5/0.76/0.865 of the last (get_lr); 0.5 gives 0.5/0.707/0.866
         seq_len=64 * 1024,  # the last stage's buffer, 524288 / 8 (sizes the rotary tables); 16K to 64K per stage
         num_iterations=4740, cooldown_frac=0.7, lr_final_frac=0.05,  # M: 4700 + 40 steps; lr 2.0 -> 0.1 (L1420-1435)
         val_every=250,  # M L1632

@@ -106,7 +106,8 @@ def test_a_technique_marked_as_reading_the_previous_token_is_one_the_kv_cache_ca
         {name: T.PRESETS["medium"][name] for name in technique.flags}
     values = {**on, **({"bigram_vocab_size": 1000, "bigram_dim": 32} if technique.name == "bigram" else {}),
               **({"short_window_cap": 1} if technique.name == "short_window_cap" else {}),  # a cap below window 2
-              **({"value_embed_tables": 1} if technique.name == "value_embed_tables" else {})}  # 4 layers hold 2
+              **({"value_embed_tables": 1} if technique.name == "value_embed_tables" else {}),  # 4 layers hold 2
+              **({"skip_connections": "1>2,0>3"} if technique.name == "skip_layout" else {})}  # M's needs 12 layers
     args = model_args("--dtype=fp32", *[f"--{k}={T.flag_text(v)}" for k, v in values.items()])
     assert [t.name for t in T.TECHNIQUES if t.is_on(args)] == [technique.name]
     model = randomised_model(args)

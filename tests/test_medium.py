@@ -319,20 +319,19 @@ def test_the_memory_estimate_measures_the_longest_packed_sequence_in_training_an
     assert set(lengths) == {512}
 
 
-@pytest.mark.parametrize("stop", [4, 6])
-def test_a_tiny_medium_resumes_on_either_side_of_the_split_as_if_never_stopped(tmp_path, stop):
+def test_a_tiny_medium_resumes_on_either_side_of_the_split_as_if_never_stopped(tmp_path):
     """The tie (split after step 5), the odd-step Adam and the bf16 record Adam survive a checkpoint taken before
-    the split (step 4) and after it (step 6): the resumed run ends on the uninterrupted one's losses."""
-    base = TINY_MEDIUM
-    whole = run_main(base + ["--run_id=whole"], tmp_path)
+    the split (step 4) and one after it (step 6): the run stopped at both ends on the uninterrupted one's losses."""
+    whole = run_main(TINY_MEDIUM + ["--run_id=whole"], tmp_path)
     assert whole.returncode == 0, whole.stderr[-2000:]
-    first = run_main(base + ["--run_id=part", f"--stop_after={stop}"], tmp_path)
-    assert first.returncode == 0, first.stderr[-2000:]
-    rest = run_main(base + ["--run_id=part", "--resume=auto"], tmp_path)
-    assert rest.returncode == 0, rest.stderr[-2000:]
+    for launch in (["--stop_after=4"], ["--resume=auto", "--stop_after=6"], ["--resume=auto"]):
+        part = run_main(TINY_MEDIUM + ["--run_id=part", *launch], tmp_path)
+        assert part.returncode == 0, part.stderr[-2000:]
+    log = (tmp_path / "part.txt").read_text()
+    assert " resumes:2" in log.splitlines()[-1]  # stopped at 4 and at 6
     want, got = (json.loads((tmp_path / f"{name}.json").read_text()) for name in ("whole", "part"))
     assert got["final_val_loss"] == want["final_val_loss"]
-    assert train_losses((tmp_path / "part.txt").read_text()) == train_losses((tmp_path / "whole.txt").read_text())
+    assert train_losses(log) == train_losses((tmp_path / "whole.txt").read_text())
 
 
 def test_a_checkpoint_of_the_medium_preset_before_its_record_optimizers_is_refused_in_one_line(tmp_path):
