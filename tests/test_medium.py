@@ -299,7 +299,7 @@ def test_the_medium_memory_estimate_runs_on_fake_tensors(capsys):
     done = capsys.readouterr()
     assert "train_gpt.py --preset=medium" in done.out and "613.4M parameters" in done.out
     (row,) = [line for line in done.out.splitlines() if line.startswith("| reference | validation | 1 |")]
-    assert 5 < float(row.split("|")[5]) < 79.6  # docs/presets.md: 11.4 GiB
+    assert 5 < float(row.split("|")[5]) < 79.6  # docs/presets.md: 8.5 GiB
 
 
 def test_the_memory_estimate_measures_the_longest_packed_sequence_in_training_and_warm_up(capsys, monkeypatch):
