@@ -3700,7 +3700,7 @@ def warm_up(run: Run) -> None:
                                  run.rt.is_master):
             train_step(run, step)
         evaluate(run.step_model, run.val_seqs[:1], run.schedules.windows(0), run.rt)
-        warm_up_yarn(run)
+        warm_up_graph_changes(run)
         run.rt.synchronize()
     with torch.no_grad():
         for name, x in live.tensors.items():
@@ -3723,13 +3723,22 @@ def warm_up_steps(warmup_steps: int, batches: BatchSchedule) -> list[int]:
     return steps
 
 
-def warm_up_yarn(run: Run) -> None:
-    """A compiled model's graphs for each YaRN state (its attention scale is a Python float, as M's): one training
-    step and one validation sequence at each change, as M warms up its transition steps, so the timed run does
-    not recompile; then the model back at step 0's state."""
+def graph_changes(args: Hyperparameters) -> list[int]:
+    """The steps from which a compiled model takes a new graph with no new shape: each YaRN change (its attention
+    scale is a Python float, as M's) and the first step after the tie's split (the lookup's switch)."""
+    steps = {step for step, _, _ in yarn_changes(args.num_iterations, args)}
+    if 0 < args.tied_embed_steps < args.num_iterations - 1:
+        steps.add(args.tied_embed_steps + 1)
+    return sorted(steps)
+
+
+def warm_up_graph_changes(run: Run) -> None:
+    """A compiled model's graphs at each of graph_changes' steps: one training step and one validation sequence
+    there, as M warms up its transition steps, so the timed run does not recompile; then the model back at step 0's
+    state."""
     if run.rt.compile != "model":
         return
-    for step, _, _ in yarn_changes(run.args.num_iterations, run.args):
+    for step in graph_changes(run.args):
         follow_yarn(run.model, step, run.args)
         train_step(run, step)
         evaluate(run.step_model, run.val_seqs[:1], run.schedules.windows(step), run.rt)

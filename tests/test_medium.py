@@ -156,6 +156,14 @@ def test_the_medium_warm_up_compiles_every_stages_sequence_length():
     assert T.warm_up_steps(10, T.batch_schedule(speedrun, 8)) == list(range(10))
 
 
+def test_the_medium_warm_up_compiles_each_yarn_state_and_the_untied_lookup():
+    """A compiled model recompiled at step 786 (the lookup's switch after the split, in the third YaRN state): the
+    warm-up visits it, as each YaRN change, and nothing else."""
+    assert T.graph_changes(medium()) == [392, 784, 786, 1175]
+    assert T.graph_changes(medium("--tied_embed_steps=0")) == [392, 784, 1175]
+    assert T.graph_changes(T.parse_args(["--preset=speedrun", "--recipe=v2"], False)) == []
+
+
 def test_a_checkpoint_of_the_old_medium_preset_is_refused_in_one_line():
     """A checkpoint.json written before --batch_sequences existed records none: it ran at the default (0, fixed
     16K sequences), so the run cannot go on under today's preset; refused before anything is read further."""
