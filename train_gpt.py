@@ -450,6 +450,14 @@ def scheduled_steps(args: Hyperparameters) -> int:
     return args.num_iterations - args.extension_steps
 
 
+def scheduled_steps_text(args: Hyperparameters) -> str:
+    """How a refusal names the scheduled steps: --num_iterations, less the extension where there is one."""
+    if not args.extension_steps:
+        return f"--num_iterations={args.num_iterations}"
+    return (f"--num_iterations={args.num_iterations} less --extension_steps={args.extension_steps} "
+            f"({scheduled_steps(args)} scheduled steps)")
+
+
 # -----------------------------------------------------------------------------
 # Attention windows: every layer's window at every step, and the masks that apply it
 #
@@ -1379,11 +1387,13 @@ class GPT(nn.Module):
     def flops_per_token(self, windows: tuple[int, int], seq_len: int) -> float:
         """Model FLOPs of one training token, forward and backward, as MFU counts them (PaLM, arXiv 2204.02311,
         appendix B): 6 per weight of every matrix product, and 12 per attended key and attention channel for the
-        scores and the weighted values, each attention layer attending to its window (in whole blocks, at most
-        the sequence). Embedding lookups, norms, gates' elementwise work and the loss are left out."""
+        scores and the weighted values, each attention layer attending to its window (in whole blocks, one key
+        more with --token_exact_windows; at most the sequence). Embedding lookups, norms, gates' elementwise work
+        and the loss are left out."""
         tables = {id(m.weight) for m in self.modules() if isinstance(m, nn.Embedding)}
         weights = sum(p.numel() for p in self.parameters() if p.ndim >= 2 and id(p) not in tables)
-        keys = sum(min(BLOCK_SIZE * window, seq_len)
+        extra = 1 if self.config.token_exact_windows else 0  # key q - 128 * w is seen too
+        keys = sum(min(BLOCK_SIZE * window + extra, seq_len)
                    for window, attends in zip(layer_windows(windows, self.roles), self.roles.attention)
                    if attends)
         return 6 * weights + 12 * self.config.n_head * self.config.head_dim * keys
@@ -3133,7 +3143,7 @@ TECHNIQUES: tuple[Technique, ...] = (
                                     "off; pass one of them"),
                   Refusal(lambda a: 0 < scheduled_steps(a) < len(window_stage_blocks(a.window_stages) or ()),
                           lambda a: f"--window_stages has {len(window_stage_blocks(a.window_stages))} stages but "
-                                    f"--num_iterations={a.num_iterations} has fewer steps, so some would never be "
+                                    f"{scheduled_steps_text(a)} has fewer steps, so some would never be "
                                     "used; pass fewer stages or more steps"))),
     # Track 2's clock and the record's own schedule shapes (M get_lr, get_muon_momentum, Yarn, get_ws).
     Technique(
@@ -3313,8 +3323,8 @@ def check_batch_schedule(args: Hyperparameters) -> None:
         raise UsageError(f"{flag} never reaches --batch_tokens={args.batch_tokens}: its last stage must be 1, the "
                          "batch the learning rates are set for (pass --batch_tokens for a smaller batch)")
     if 0 < scheduled_steps(args) < len(fracs):  # equal-length stages: some would get no step and never train
-        raise UsageError(f"{flag} has {len(fracs)} stages but --num_iterations={args.num_iterations} has fewer steps; "
-                         "every stage needs at least one step: pass fewer stages or more steps")
+        raise UsageError(f"{flag} has {len(fracs)} stages but {scheduled_steps_text(args)} has fewer steps; every "
+                         "stage needs at least one step: pass fewer stages or more steps")
     unit = Fraction(args.seq_len, args.batch_tokens)  # the smallest stage: one sequence
     fixed_length = [] if args.batch_sequences else fracs  # packed sequences' lengths: the batch_sequences technique
     for frac in fixed_length:

@@ -291,6 +291,10 @@ def test_a_resumed_run_judges_unused_flags_on_its_checkpoint_s_values():
     (["--preset=medium", "--num_iterations=11", "--batch_schedule=", "--extension_steps=0",
       "--tied_embed_steps=0"],
      "--window_stages has 12 stages but --num_iterations=11 has fewer steps"),
+    (["--preset=medium", "--num_iterations=50", "--batch_schedule=", "--muon_momentum_cooldown_steps=0",
+      "--tied_embed_steps=0"],  # 50 steps less the record's 40 of extension: 10 scheduled, for 12 window stages
+     "--window_stages has 12 stages but --num_iterations=50 less --extension_steps=40 (10 scheduled steps) has "
+     "fewer steps"),
     (["--preset=medium", "--extension_steps=4740"],
      "--extension_steps=4740 leaves no scheduled step of --num_iterations=4740; pass fewer extension steps"),
     (["--preset=medium", "--stage_lr_shares=0.5,1"],

@@ -2,6 +2,7 @@
 traces, the metrics file (and TensorBoard), progress bars on a terminal, the target loss, the report card, and
 energy continued across a resume."""
 import concurrent.futures
+import dataclasses
 import json
 import os
 import subprocess
@@ -428,6 +429,11 @@ def test_model_flops_per_token_count_the_matrices_and_each_layers_window():
     expected = 6 * weights + 12 * 6 * 128 * (long_keys + short_keys)
     assert model.flops_per_token((14, 7), seq_len=48 * 1024) == pytest.approx(expected)
     assert model.flops_per_token((1000, 500), seq_len=1024) == pytest.approx(6 * weights + 12 * 768 * 1024 * 11)
+    exact = dataclasses.replace(model.config, token_exact_windows=True)
+    with torch.device("meta"):
+        model = T.GPT(exact)
+    extra = 12 * 6 * 128 * 11  # one key more per attention layer: q - 128 * w <= j <= q
+    assert model.flops_per_token((14, 7), seq_len=48 * 1024) == pytest.approx(expected + extra)
 
 
 # ---------------------------------------------------------------- energy continued across a resume
