@@ -2289,8 +2289,8 @@ def muon_lr_multipliers(model: GPT, args: Hyperparameters, muon_params: list[Ten
 
 
 def is_x0_lambda(name: str) -> bool:
-    """The per-layer weights of the embeddings x0 (and the t2 model's second embedding x02) in the stream's mix."""
-    return name.endswith(("x0_lambda", "x02_lambda", "x0_lambdas", "x02_lambdas"))
+    """The per-layer weights of the embedding x0 (and of track 2's second embedding x02) in the stream's mix."""
+    return name.endswith(("x0_lambda", "x02_lambda"))
 
 
 def adam_groups(model: GPT, args: Hyperparameters, in_muon: list[Tensor]) -> list[AdamGroup]:
