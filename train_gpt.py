@@ -426,22 +426,23 @@ def check_unrecorded(recorded: dict, overrides: dict[str, object], path: Path) -
                          "checkpoint.json), or start a fresh run")
 
 
-def stage_fractions(text: str) -> list[Fraction] | None:
-    """--batch_schedule's stages as exact fractions of batch_tokens; None if the text is not such a list."""
+def parsed_list(text: str, parse: typing.Callable[[str], typing.Any], holds: typing.Callable[[typing.Any], bool]):
+    """A comma-separated flag's items, each parsed and each holding; None if the text is not such a list."""
     try:
-        out = [Fraction(part.strip()) for part in text.split(",")]
+        out = [parse(part.strip()) for part in text.split(",")]
     except (ValueError, ZeroDivisionError):
         return None
-    return out if all(0 < f <= 1 for f in out) else None
+    return out if all(holds(item) for item in out) else None
+
+
+def stage_fractions(text: str) -> list[Fraction] | None:
+    """--batch_schedule's stages as exact fractions of batch_tokens; None if the text is not such a list."""
+    return parsed_list(text, Fraction, lambda f: 0 < f <= 1)
 
 
 def lr_shares(text: str) -> list[float] | None:
     """--stage_lr_shares as floats in (0, 1]; None if the text is not such a list."""
-    try:
-        out = [float(part) for part in text.split(",")]
-    except ValueError:
-        return None
-    return out if all(0 < f <= 1 for f in out) else None
+    return parsed_list(text, float, lambda f: 0 < f <= 1)
 
 
 def scheduled_steps(args: Hyperparameters) -> int:
@@ -539,11 +540,7 @@ def layer_windows(windows, roles: LayerRoles) -> list:
 
 def window_stage_blocks(text: str) -> list[int] | None:
     """--window_stages as block counts; None if the text is not such a list."""
-    try:
-        blocks = [int(part) for part in text.split(",")]
-    except ValueError:
-        return None
-    return blocks if all(b >= 1 for b in blocks) else None
+    return parsed_list(text, int, lambda b: b >= 1)
 
 
 def document_ids(tokens: Tensor) -> Tensor:
@@ -1829,6 +1826,14 @@ class AdamGroup:
     betas: tuple[float, float] | None = None  # None: the optimizer's
 
 
+def adam_slots(buckets: list[Bucket], names: dict[Tensor, str]) -> tuple[list, list[Tensor], list[str]]:
+    """Each Adam parameter's (bucket, parameter, offset of its slice in the bucket's shard), with the parameters
+    and their names in that order: the layout both Adams keep their per-parameter state in."""
+    slots = [(bucket, p, offset) for bucket in buckets for p, offset in zip(bucket.real, bucket.offsets)]
+    params = [p for _, p, _ in slots]
+    return slots, params, [names[p] for p in params]
+
+
 class ShardedAdam:
     """Adam for the rank-owned slice of each parameter, on an fp32 master copy of that slice.
 
@@ -1841,9 +1846,7 @@ class ShardedAdam:
                  betas: tuple[float, float], eps: float, names: dict[Tensor, str]):
         self.buckets, self.rank = buckets, rank
         # One master per parameter: its slice sits at offset in the bucket's shard (Bucket.offsets).
-        self.slots = [(bucket, p, offset) for bucket in buckets for p, offset in zip(bucket.real, bucket.offsets)]
-        self.params = [p for _, p, _ in self.slots]
-        self.names = [names[p] for p in self.params]
+        self.slots, self.params, self.names = adam_slots(buckets, names)
         self.masters = [owned_slice(p, rank, bucket.world_size).float().clone() for bucket, p, _ in self.slots]
         param_groups = [dict(params=[master], lr=groups[p].lr, base_lr=groups[p].lr,
                              weight_decay=groups[p].weight_decay, cautious_wd=groups[p].cautious_wd,
@@ -1923,9 +1926,7 @@ class RecordAdam:
     def __init__(self, buckets: list[Bucket], groups: dict[Tensor, AdamGroup], rank: int,
                  betas: tuple[float, float], eps: float, names: dict[Tensor, str]):
         self.buckets, self.rank, self.eps = buckets, rank, eps
-        self.slots = [(bucket, p, offset) for bucket in buckets for p, offset in zip(bucket.real, bucket.offsets)]
-        self.params = [p for _, p, _ in self.slots]
-        self.names = [names[p] for p in self.params]
+        self.slots, self.params, self.names = adam_slots(buckets, names)
         self.groups = [dataclasses.replace(groups[p], betas=groups[p].betas or betas) for p in self.params]
         self.states = []
         for bucket, p, _ in self.slots:
