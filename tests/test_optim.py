@@ -672,18 +672,19 @@ def medium_ranks_worker(rank, world_size, port, out):
     import torch.distributed as dist
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
+    args = T.parse_args(["--preset=medium", "--n_layer=2", "--model_dim=64", "--n_head=2", "--head_dim=32",
+                         "--vocab_size=512", "--seq_len=256", "--batch_tokens=1024", "--batch_schedule=",
+                         "--num_iterations=20", "--extension_steps=0", "--muon_momentum_cooldown_steps=0",
+                         "--batch_sequences=0", "--skip_connections=0>1", "--tied_embed_steps=1",
+                         "--zero_init=false", "--dtype=fp32"],
+                        False)
+    rt = T.Runtime(rank=rank, local_rank=rank, world_size=world_size, device=torch.device("cpu"),
+                   dtype=torch.float32, attention="banded", fp8_head=False, compile="off")
+    torch.manual_seed(0)
+    model = T.build_model(args, rt)
+    # the model first: what it imports (dynamo, for the banded mask) would hold gloo threads past the end
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     try:
-        args = T.parse_args(["--preset=medium", "--n_layer=2", "--model_dim=64", "--n_head=2", "--head_dim=32",
-                             "--vocab_size=512", "--seq_len=256", "--batch_tokens=1024", "--batch_schedule=",
-                             "--num_iterations=20", "--extension_steps=0", "--muon_momentum_cooldown_steps=0",
-                             "--batch_sequences=0", "--skip_connections=0>1", "--tied_embed_steps=1",
-                             "--zero_init=false", "--dtype=fp32"],
-                            False)
-        rt = T.Runtime(rank=rank, local_rank=rank, world_size=world_size, device=torch.device("cpu"),
-                       dtype=torch.float32, attention="banded", fp8_head=False, compile="off")
-        torch.manual_seed(0)
-        model = T.build_model(args, rt)
         opt = T.build_optimizers(model, args, rank=rank, world_size=world_size)
         # fp32 in place of Polar Express's bf16, whose roundings Adam's lr 0.6 would blow up into noise
         opt.muon.orthogonalize = lambda G, steps: G / (G.norm(dim=(-2, -1), keepdim=True) + 1e-7)  # 0 at 0
