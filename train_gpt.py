@@ -3213,10 +3213,32 @@ def v2_values(preset: str) -> dict[str, object]:
     return out
 
 
+# --recipe=record: the public speedrun's record #89 (modded-nanogpt PR #342, "MLP down projection in FP8 with
+# efficient delayed scaling"; KellerJordan/modded-nanogpt at f411b3d3, "T:n" = a line of its train_gpt.py),
+# value for value (docs/track1-record-fidelity.md). On the cpu preset: the record's layout at the cpu width.
+RECORD_VALUES: dict[str, dict[str, object]] = {
+    "speedrun": dict(
+        # the layout and the residual stream (T:1208-1500, T:1530-1690)
+        # attention's additions: XSA and DC (T:1072-1161)
+        # the loss: prefix tokens (T:1175-1198, K:1066-1168)
+        # the FP8 MLP (T:1403-1434, K:443-713)
+        # schedules, optimizers and data (T:1886-2110)
+    ),
+    "cpu": dict(
+        # the layout and the residual stream
+        # attention's additions: XSA and DC
+        # the loss: prefix tokens
+        # the FP8 MLP
+        # schedules, optimizers and data
+    ),
+    "medium": {},  # track 2 has its own record: the medium preset
+}
+
 # A recipe's values per preset, applied on top of the preset (command-line flags win over both).
 RECIPES: dict[str, dict[str, dict]] = {
     "reference": {preset: {} for preset in PRESETS},
     "v2": {preset: v2_values(preset) for preset in PRESETS},
+    "record": RECORD_VALUES,
 }
 
 
