@@ -89,7 +89,8 @@ class Hyperparameters:
     tests/test_config.py pins."""
     preset: str = flag("auto", "speedrun | cpu | medium; auto picks speedrun when CUDA is present, cpu otherwise",
                        group="general")
-    recipe: str = flag("reference", "reference (R, bit for bit) | v2: the later records' techniques (TECHNIQUES)")
+    recipe: str = flag("reference", "reference (R, bit for bit) | v2: the later records' techniques (TECHNIQUES) | "
+                                    "record: record #89 (f411b3d3) value for value, speedrun and cpu presets")
     seed: int = flag(0, "model initialisation (data order is fixed by the shards)")
     train_files: str = flag("data/fineweb10B/fineweb_train_*.bin", "", group="data")
     val_files: str = flag("data/fineweb10B/fineweb_val_*.bin", "")
@@ -97,6 +98,8 @@ class Hyperparameters:
     train_cycle: bool = flag(False, "allow more than one pass over the training shards")
     bos_align: bool = flag(False, "start every training sequence at a document start")
     doc_len_cap: int = flag(0, "2025-09-03_FA3: pack documents cut to this many tokens (the rest dropped); 0: off")
+    stage_doc_len_caps: str = flag("", "record #89, T:1980-1987, T:1752-1754: each batch stage's document cap "
+                                       "('896,2048,2048'); empty: doc_len_cap throughout")
     batch_tokens: int = flag(8 * 48 * 1024, "R: 8 GPUs x 48K tokens per optimizer step, fixed for any world size",
                                             group="batch: one flat sequence of seq_len tokens per rank per micro-step")
     seq_len: int = flag(48 * 1024, "R: cut from 64K to 48K per GPU (critical batch size, arXiv 2410.21676)")
@@ -129,6 +132,14 @@ class Hyperparameters:
                                        "(M ws_validate_post_yarn_ext: 27); 0: the schedule's")
     token_exact_windows: bool = flag(False, "same record: FA3's window, key j seen by query q iff q - 128 * w <= j "
                                             "<= q (M L982-984); False: whole blocks, floor(q/128) - floor(j/128) < w")
+    rounded_stages: bool = flag(False, "record #89, T:1943, T:1956-1967: stage k of n starts at round(k * S / n) "
+                                       "for the batch, lr, windows and YaRN alike (423, 847 of 1270), the lr's stage "
+                                       "the batch's; false: ceil(k * S / n), track 2's lr a step later")
+    extension_window_blocks: int = flag(0, "record #89, T:1987: the long window of the extension steps (13), a YaRN "
+                                           "change of its own; 0: the last stage's")
+    stage_share_cooldown: bool = flag(False, "record #89, T:1968-1976 (get_lr): the cooldown blends the stage's lr "
+                                             "share into lr_final_frac of the base lrs, share (1 - tau) + final tau, "
+                                             "from step int((1 - cooldown_frac) S); false: cooldown x share")
     sliding_window: bool = flag(True, "False: full causal attention within documents (ablation)")
     vocab_size: int = flag(50257, "GPT-2's BPE vocabulary (the head pads it to 50304, a multiple of 128)",
                                   group="model (R: 12 x 768, 6 heads of 128; GPT-2 vocabulary, head padded to 50304)")
@@ -236,6 +247,13 @@ class Hyperparameters:
                                             "decay (M: 8e-5, L1048-1057); none: gate_lrs' share of scalar_lr")
     tied_embed_steps: int = flag(0, "same record: the input embedding reads the head's weight through this step's "
                                     "update, then takes its weight and Adam state (M: 785, L770-779, L1583-1585)")
+    table_adam_beta1: float | None = flag(None, "record #89, T:2034, T:2037: the value-embedding and bigram tables' "
+                                                "Adam beta1 (0.75); none: adam_beta1")
+    bigram_wd_mul: float = flag(1.0, "record #89, T:2034: the bigram table's share of adam_cautious_wd (5)")
+    gate_scalar_betas: bool = flag(False, "record #89, T:2031-2032: the gates in the main Adam (gate_adam_lr) take "
+                                          "the scalars' betas (0.9, 0.99); false: adam_beta1, adam_beta2")
+    ve_gate_lr: float | None = flag(None, "record #89, T:2032: the value-embedding gates' lr (0.008), decayed by "
+                                          "adam_cautious_wd (wd_mul 1); none: as the other gates, no decay")
     scalar_adam_beta1: float | None = flag(None, "2025-12-21_SmoothedScalars: 0.9 for the scalars; none: adam_beta1")
     scalar_adam_beta2: float | None = flag(None, "same record: 0.99; none: adam_beta2")
     adam_beta1: float = flag(0.8, "R")
@@ -364,6 +382,9 @@ def resolve_hyperparameters(overrides: dict[str, object], cuda_available: bool,
     recipe = overrides.get("recipe", Hyperparameters.recipe)
     if recipe not in RECIPES:
         raise UsageError(f"unknown recipe {recipe!r}; valid recipes: {', '.join(RECIPES)}")
+    if recipe == "record" and preset == "medium":
+        raise UsageError("--recipe=record is the short track's record #89; the medium preset is track 2's record "
+                         "already: pass --preset=speedrun or --preset=cpu, or drop --recipe")
     args = Hyperparameters(**{**PRESETS[preset], **RECIPES[recipe][preset], **overrides, "preset": preset})
     validate_args(args, overrides if check_unused else None)
     return args
@@ -441,14 +462,34 @@ def stage_fractions(text: str) -> list[Fraction] | None:
 
 
 def lr_shares(text: str) -> list[float] | None:
-    """--stage_lr_shares as floats in (0, 1]; None if the text is not such a list."""
-    return parsed_list(text, float, lambda f: 0 < f <= 1)
+    """--stage_lr_shares as positive floats (the record #89's 1.52 and 1.73 exceed 1); None if the text is not such a
+    list."""
+    return parsed_list(text, float, lambda f: 0 < f < math.inf)
+
+
+def stage_doc_caps(text: str) -> list[int] | None:
+    """--stage_doc_len_caps as token counts; None if the text is not such a list."""
+    return parsed_list(text, int, lambda c: c >= 1)
 
 
 def scheduled_steps(args: Hyperparameters) -> int:
     """The steps every schedule runs over (the lr cooldown, batch and window stages, MTP phases, the momentum
     warm-up's clock); track 2's extension steps after them hold the schedules' final values."""
     return args.num_iterations - args.extension_steps
+
+
+def stage_start(k: int, n: int, scheduled: int, rounded: bool = False) -> int:
+    """The first step of stage k of n equal stages of the scheduled steps: ceil(k S / n) (a step is in stage
+    floor(n step / S)); record #89 (T:1943, TrainingSchedule): round(k S / n), 423 and 847 of 1270."""
+    return round(k * scheduled / n) if rounded else -(-k * scheduled // n)
+
+
+def stage_of(step: int, n: int, scheduled: int, rounded: bool = False) -> int:
+    """Which of n equal stages of the scheduled steps a step is in (stage_start's boundaries); the last one from the
+    end of the schedule on (M get_ws: int(n * step / 4700); record #89 lookup, T:1956-1961)."""
+    if not rounded:
+        return min(n * step // scheduled, n - 1)
+    return max(k for k in range(n) if stage_start(k, n, scheduled, True) <= step)
 
 
 def scheduled_steps_text(args: Hyperparameters) -> str:
@@ -476,17 +517,14 @@ def attention_windows(step: int, args: Hyperparameters) -> tuple[int, int]:
         return window_pair(max(args.seq_len, args.val_seq_len) // BLOCK_SIZE)
     if args.final_window_blocks and step == args.num_iterations:  # track 2: the last validation's long window
         return window_pair(args.final_window_blocks, args.short_window_cap)
+    if args.extension_window_blocks and scheduled_steps(args) <= step:  # record #89: the extension's own window
+        return window_pair(args.extension_window_blocks, args.short_window_cap)
     if args.window_stages:
         stages = window_stage_blocks(args.window_stages)
-        return window_pair(stages[window_stage(step, len(stages), scheduled_steps(args))], args.short_window_cap)
+        stage = stage_of(step, len(stages), scheduled_steps(args), args.rounded_stages)
+        return window_pair(stages[stage], args.short_window_cap)
     tokens = max(next_multiple(args.window_final_tokens * step / args.num_iterations, BLOCK_SIZE), BLOCK_SIZE)
     return window_pair(tokens // BLOCK_SIZE, args.short_window_cap)
-
-
-def window_stage(step: int, n_stages: int, scheduled: int) -> int:
-    """Which of n equal stages of the scheduled steps a step is in (M get_ws: int(n * step / 4700)); the last one
-    from the end of the schedule on."""
-    return min(n_stages * step // scheduled, n_stages - 1)
 
 
 def long_window_changes(args: Hyperparameters) -> list[tuple[int, int, int]]:
@@ -495,7 +533,9 @@ def long_window_changes(args: Hyperparameters) -> list[tuple[int, int, int]]:
     if not (args.sliding_window and args.window_stages):
         return []
     stages, scheduled = window_stage_blocks(args.window_stages), scheduled_steps(args)
-    firsts = [-(-k * scheduled // len(stages)) for k in range(len(stages))]  # the first step of each stage
+    firsts = [stage_start(k, len(stages), scheduled, args.rounded_stages) for k in range(len(stages))]
+    if args.extension_window_blocks and args.extension_steps:  # record #89: the extension is a stage of its own
+        firsts, stages = firsts + [scheduled], stages + [args.extension_window_blocks]
     return [(first, old, new) for first, old, new in zip(firsts[1:], stages, stages[1:])
             if old != new and first < args.num_iterations]
 
@@ -521,7 +561,8 @@ def window_pairs(args: Hyperparameters) -> set[tuple[int, int]] | None:
         return {attention_windows(0, args)}
     final = {attention_windows(args.num_iterations, args)}  # final_window_blocks' pair, where it is set
     if args.window_stages:
-        stages = window_stage_blocks(args.window_stages)
+        stages = window_stage_blocks(args.window_stages) + [args.extension_window_blocks] * bool(
+            args.extension_window_blocks)
         return final | {window_pair(blocks, args.short_window_cap) for blocks in stages}
     final_blocks = max(next_multiple(args.window_final_tokens, BLOCK_SIZE) // BLOCK_SIZE, 1)  # the growth's end
     if final_blocks <= MAX_EAGER_WINDOWS:
@@ -2303,6 +2344,8 @@ def adam_groups(model: GPT, args: Hyperparameters, in_muon: list[Tensor]) -> lis
     scalar_betas = (args.scalar_adam_beta1 if args.scalar_adam_beta1 is not None else args.adam_beta1,
                     args.scalar_adam_beta2 if args.scalar_adam_beta2 is not None else args.adam_beta2)
     main_betas = (args.adam_beta1, args.adam_beta2)
+    gate_betas = scalar_betas if args.gate_scalar_betas else main_betas
+    table_betas = None if args.table_adam_beta1 is None else (args.table_adam_beta1, args.adam_beta2)
     token_lr = args.embed_lr if args.token_embed_lr is None else args.token_embed_lr
     groups = []
     for name, p in model.named_parameters():
@@ -2313,11 +2356,13 @@ def adam_groups(model: GPT, args: Hyperparameters, in_muon: list[Tensor]) -> lis
         elif name == "embed.weight":
             groups.append(AdamGroup(p, token_lr, cautious_wd=adam_wd * args.head_embed_wd_mul))
         elif name.startswith("value_embeds.") or name.endswith("embed2.weight"):
-            groups.append(AdamGroup(p, args.embed_lr, cautious_wd=adam_wd * args.value_embed_wd_mul))
+            groups.append(AdamGroup(p, args.embed_lr, cautious_wd=adam_wd * args.value_embed_wd_mul, betas=table_betas))
         elif name.startswith("bigram_embed."):
-            groups.append(AdamGroup(p, args.embed_lr, cautious_wd=adam_wd))
+            groups.append(AdamGroup(p, args.embed_lr, cautious_wd=adam_wd * args.bigram_wd_mul, betas=table_betas))
+        elif name.endswith("ve_gate") and args.ve_gate_lr is not None:
+            groups.append(AdamGroup(p, args.ve_gate_lr, cautious_wd=adam_wd, betas=gate_betas))
         elif name.endswith("_gate") and args.gate_adam_lr is not None:
-            groups.append(AdamGroup(p, args.gate_adam_lr, betas=main_betas))
+            groups.append(AdamGroup(p, args.gate_adam_lr, betas=gate_betas))
         elif name.endswith("_gate"):
             groups.append(AdamGroup(p, args.scalar_lr * gate_lrs[name.rsplit(".", 1)[-1]], betas=scalar_betas))
         elif is_x0_lambda(name) and args.x0_lambda_lr is not None:
@@ -2375,15 +2420,24 @@ class BatchSchedule:
     batch_tokens: int
     lr_exponent: float
     lr_shares: tuple[float, ...] = ()  # --stage_lr_shares: each stage's lr scale as listed; empty: lr_exponent's
+    rounded: bool = False  # --rounded_stages: record #89's stage starts, round(k S / n), for the lr too
+    stage_doc_cap: tuple[int, ...] = ()  # --stage_doc_len_caps: each stage's document cap; empty: the loader's
 
     def stage(self, step: int) -> int:
-        return min(len(self.stage_tokens) * step // self.scheduled_steps, len(self.stage_tokens) - 1)
+        return stage_of(step, len(self.stage_tokens), self.scheduled_steps, self.rounded)
 
     def lr_stage(self, step: int) -> int:
         """The stage whose lr share a step takes (M get_lr): stage k once step / scheduled > k / n, strictly, so it
-        starts a step after the batch's stage where k / n lands on a step (M: batch 1175, lr 1176)."""
+        starts a step after the batch's stage where k / n lands on a step (M: batch 1175, lr 1176); record #89
+        (T:1968-1970): the batch's stage."""
+        if self.rounded:
+            return self.stage(step)
         n = len(self.stage_tokens)
         return min(max(0, -(-n * step // self.scheduled_steps) - 1), n - 1)
+
+    def doc_cap(self, step: int) -> int | None:
+        """The step's document cap under --stage_doc_len_caps (T:1980-1987); None: the loader's --doc_len_cap."""
+        return self.stage_doc_cap[self.stage(step)] if self.stage_doc_cap else None
 
     def tokens(self, step: int) -> int:
         return self.stage_tokens[self.stage(step)]
@@ -2401,7 +2455,7 @@ class BatchSchedule:
         return (self.tokens(step) / self.batch_tokens) ** self.lr_exponent
 
     def first_step(self, stage: int) -> int:
-        return -(-stage * self.scheduled_steps // len(self.stage_tokens))
+        return stage_start(stage, len(self.stage_tokens), self.scheduled_steps, self.rounded)
 
     def tokens_before(self, step: int) -> int:
         """Training tokens of steps 0 .. step-1 (what a validation at `step` has seen), summed stage by stage."""
@@ -2432,9 +2486,15 @@ def batch_schedule(args: Hyperparameters, world_size: int) -> BatchSchedule:
                  else f"the --batch_schedule stages {'/'.join(map(str, tokens))} tokens")
         raise UsageError(f"world size {world_size} cannot split {batch} into sequences of --seq_len={args.seq_len} "
                          f"for every rank; world sizes that work: {valid or 'none (fix the batch size)'}")
-    shares = tuple(lr_shares(args.stage_lr_shares)) if args.stage_lr_shares else ()
     return BatchSchedule(tokens, tuple(n // world_size for n in sequences), (args.seq_len,) * len(tokens),
-                         scheduled_steps(args), args.batch_tokens, args.batch_lr_exponent, shares)
+                         scheduled_steps(args), args.batch_tokens, args.batch_lr_exponent, *stage_options(args))
+
+
+def stage_options(args: Hyperparameters) -> tuple[tuple[float, ...], bool, tuple[int, ...]]:
+    """BatchSchedule's optional per-stage settings: lr shares, the record's rounded starts, document caps."""
+    shares = tuple(lr_shares(args.stage_lr_shares)) if args.stage_lr_shares else ()
+    caps = tuple(stage_doc_caps(args.stage_doc_len_caps)) if args.stage_doc_len_caps else ()
+    return shares, args.rounded_stages, caps
 
 
 def packed_batch_schedule(args: Hyperparameters, tokens: tuple[int, ...], world_size: int) -> BatchSchedule:
@@ -2446,9 +2506,8 @@ def packed_batch_schedule(args: Hyperparameters, tokens: tuple[int, ...], world_
         raise UsageError(f"world size {world_size} cannot split --batch_sequences={n} packed sequences per step "
                          f"evenly over its ranks (the record's one buffer per GPU on {n} GPUs); world sizes that "
                          f"work: {valid}")
-    shares = tuple(lr_shares(args.stage_lr_shares)) if args.stage_lr_shares else ()
     return BatchSchedule(tokens, (n // world_size,) * len(tokens), tuple(t // n for t in tokens),
-                         scheduled_steps(args), args.batch_tokens, args.batch_lr_exponent, shares)
+                         scheduled_steps(args), args.batch_tokens, args.batch_lr_exponent, *stage_options(args))
 
 
 def lr_multiplier(step: int, num_iterations: int, cooldown_frac: float, final_frac: float) -> float:
@@ -2461,6 +2520,27 @@ def lr_multiplier(step: int, num_iterations: int, cooldown_frac: float, final_fr
         return 1.0
     w = (1 - progress) / cooldown_frac
     return w + (1 - w) * final_frac
+
+
+def stage_share_cooldown_lr(step: int, scheduled: int, cooldown_frac: float, final_frac: float, share: float) -> float:
+    """Record #89's get_lr (T:1968-1976): the stage's share until step int((1 - cooldown_frac) S), then
+    share (1 - tau) + final_frac tau, tau rising linearly to 1 at S and held there; the floor is a fraction of
+    the base lrs, not of the stage's."""
+    start = int(scheduled * (1 - cooldown_frac))
+    if step < start:
+        return share
+    tau = min(1.0, (step - start) / max(scheduled - start, 1))
+    return share * (1 - tau) + final_frac * tau
+
+
+def step_lr_multiplier(step: int, args: Hyperparameters, batches: BatchSchedule) -> float:
+    """The step's lr multiplier: the cooldown schedule times the batch stage's scale, or record #89's blend of the
+    two (--stage_share_cooldown)."""
+    if args.stage_share_cooldown:
+        return stage_share_cooldown_lr(step, scheduled_steps(args), args.cooldown_frac, args.lr_final_frac,
+                                       batches.lr_scale(step))
+    cooldown = lr_multiplier(step, scheduled_steps(args), args.cooldown_frac, args.lr_final_frac)
+    return cooldown * batches.lr_scale(step)
 
 
 def muon_momentum(step: int, warmup_steps: int, start: float, end: float, cooldown_steps: int = 0,
@@ -2763,9 +2843,10 @@ class DistributedTokenLoader:
         self.bos_align, self.doc_cap, self.device = bos_align, doc_cap, device
         self.step_in_one_shard = step_in_one_shard
 
-    def next_batch(self, accum: int, seq_len: int) -> list[tuple[Tensor, Tensor]]:
-        """The step's accum micro-batches of this rank, each seq_len tokens."""
-        count, cut = self.world_size * accum, (seq_len, self.bos_align, self.doc_cap)
+    def next_batch(self, accum: int, seq_len: int, doc_cap: int | None = None) -> list[tuple[Tensor, Tensor]]:
+        """The step's accum micro-batches of this rank, each seq_len tokens (documents cut to doc_cap if given, the
+        stage's cap, else to the loader's)."""
+        count, cut = self.world_size * accum, (seq_len, self.bos_align, self.doc_cap if doc_cap is None else doc_cap)
         chunks = (self.stream.take_together(count, *cut) if self.step_in_one_shard
                   else [self.stream.take(*cut) for _ in range(count)])
         return [to_device(chunks[i], self.device) for i in range(self.rank, len(chunks), self.world_size)]
@@ -3002,6 +3083,11 @@ TECHNIQUES: tuple[Technique, ...] = (
                           lambda a: f"--tied_embed_steps={a.tied_embed_steps} unties the embedding after a step "
                                     f"past the last (--num_iterations={a.num_iterations}); pass fewer or 0"),)),
     Technique(
+        "record_adam_groups", ("2026-07-17_FP8DownProjection",), "optimizer",
+        {"table_adam_beta1": OPTIONAL_BETA, "bigram_wd_mul": number(0.0), "gate_scalar_betas": ANY_BOOL,
+         "ve_gate_lr": Rule(lambda v: v is None or LR.ok(v), LR.valid + ", or none")},
+        {}, left_out=dict.fromkeys(PRESETS, "a record #89 technique (--recipe=record)")),
+    Technique(
         "smoothed_scalars", ("2025-12-21_SmoothedScalars",), "optimizer",
         {"scalar_adam_beta1": OPTIONAL_BETA, "scalar_adam_beta2": OPTIONAL_BETA},
         everywhere(scalar_adam_beta1=0.9, scalar_adam_beta2=0.99)),
@@ -3193,6 +3279,35 @@ TECHNIQUES: tuple[Technique, ...] = (
         "short_window_cap", ("2025-12-31_BulkSmallTrackTransfer",), "model", {"short_window_cap": integer(0)},
         {"medium": {}}, left_out=only_track_2("short windows of half the long one"),
         only_when=(only_with("short_window_cap", switch="sliding_window"),)),
+    Technique(
+        "rounded_stages", ("2026-07-17_FP8DownProjection",), "schedule", {"rounded_stages": ANY_BOOL}, {},
+        left_out=dict.fromkeys(PRESETS, "a record #89 technique (--recipe=record)"),
+        only_when=(only_if(("rounded_stages",), lambda a: bool(a.batch_schedule or a.window_stages),
+                           "a --batch_schedule or --window_stages", lambda a: "neither"),)),
+    Technique(
+        "extension_window", ("2026-07-17_FP8DownProjection",), "schedule", {"extension_window_blocks": integer(0)},
+        {}, left_out=dict.fromkeys(PRESETS, "a record #89 technique (--recipe=record)"),
+        only_when=(only_if(("extension_window_blocks",), lambda a: a.sliding_window and a.extension_steps > 0,
+                           "--extension_steps", lambda a: "no extension steps" if a.sliding_window
+                           else "--sliding_window=false"),)),
+    Technique(
+        "stage_share_cooldown", ("2026-07-17_FP8DownProjection",), "schedule", {"stage_share_cooldown": ANY_BOOL},
+        {}, left_out=dict.fromkeys(PRESETS, "a record #89 technique (--recipe=record)")),
+    Technique(
+        "stage_doc_caps", ("2026-07-17_FP8DownProjection",), "data",
+        {"stage_doc_len_caps": Rule(lambda v: v == "" or stage_doc_caps(v) is not None,
+                                    "empty, or comma-separated token counts such as 896,2048,2048")},
+        {}, left_out=dict.fromkeys(PRESETS, "a record #89 technique (--recipe=record)"),
+        refusals=(Refusal(lambda a: a.stage_doc_len_caps and not a.bos_align,
+                          lambda a: f"--stage_doc_len_caps={a.stage_doc_len_caps} packs whole documents from their "
+                                    "start, so it needs --bos_align=true"),
+                  Refusal(lambda a: a.stage_doc_len_caps and a.batch_schedule and len(stage_doc_caps(
+                      a.stage_doc_len_caps)) != len(stage_fractions(a.batch_schedule) or ()),
+                          lambda a: f"--stage_doc_len_caps has {len(stage_doc_caps(a.stage_doc_len_caps))} caps but "
+                                    f"--batch_schedule has {len(stage_fractions(a.batch_schedule) or ())} stages; "
+                                    "pass one cap per stage")),
+        only_when=(only_if(("stage_doc_len_caps",), lambda a: bool(a.batch_schedule), "a --batch_schedule",
+                           lambda a: "no --batch_schedule (one batch throughout)"),)),
 )
 
 # Recipe v2's batch geometry per preset, which the batch schedule's stages must split into whole sequences:
@@ -3223,13 +3338,50 @@ RECORD_VALUES: dict[str, dict[str, object]] = {
         # the loss: prefix tokens (T:1175-1198, K:1066-1168)
         # the FP8 MLP (T:1403-1434, K:443-713)
         # schedules, optimizers and data (T:1886-2110)
+        num_iterations=1285, extension_steps=15, val_every=250,  # T:1890-1891 (1270 + 15 steps), T:1898
+        batch_tokens=393216, batch_schedule="1/3,2/3,1", rounded_stages=True,  # T:1980-1987 (8, 16, 24 x 16K), T:1943
+        batch_sequences=8, seq_len=49152,  # T:1816, T:1821: one varlen sequence per GPU, 16K/32K/48K tokens
+        bos_align=True, stage_doc_len_caps="896,2048,2048",  # T:1809; T:1980-1987 train_max_seq_len, T:1752
+        stage_lr_shares="1,1.52,1.73", stage_share_cooldown=True,  # T:1980-1985 lr_mul; T:1968-1976 get_lr
+        cooldown_frac=0.6, lr_final_frac=0.15,  # T:1992 (cooldown_frac=0.60: from int(0.4 x 1270) = 508), T:1975
+        window_stages="3,7,11", extension_window_blocks=13, short_window_cap=6,  # T:1980-1987 (1,3) (3,7) (5,11) (6,13)
+        final_window_blocks=20, token_exact_windows=True,  # T:1933, T:2092-2093 (20 blocks, short 6; no YaRN)
+        yarn_max_window=13, attn_scale=0.1,  # T:2114-2116 (YaRN at each long-window change), T:1035
+        muon_momentum_cooldown_steps=50,  # T:1995-2004: 0.85 -> 0.95 over 300 steps, back over the last 50
+        muon_lr=0.023, polar_express=True, normuon=True, normuon_beta2=0.9,  # T:2070-2075, T:168-174
+        cautious_wd=True, muon_cautious_wd=1.2, adam_cautious_wd=0.005,  # T:2075, T:2068
+        adam_every=2, adam_master=False, adam_eps=1e-10,  # T:2104-2106 (odd steps), T:843-862 (in place, strict)
+        adam_beta1=0.5, adam_beta2=0.95, head_lr=0.008, token_embed_lr=0.008,  # T:2033, T:2038, T:2066
+        head_embed_wd_mul=150.0, tied_embed_steps=847,  # T:2033, T:2038 (wd_mul 150); T:1943 split 847 | 1
+        embed_lr=0.6, table_adam_beta1=0.75, value_embed_wd_mul=5.0, bigram_wd_mul=5.0,  # T:2034, T:2037: lr_mul 75
+        scalar_lr=0.04, scalar_adam_beta1=0.9, scalar_adam_beta2=0.99,  # T:2030: lr_mul 5, (0.9, 0.99), wd_mul 0
+        gate_adam_lr=8e-5, gate_scalar_betas=True, ve_gate_lr=0.008,  # T:2031 (lr_mul 0.01), T:2032 (decay 0.005)
     ),
     "cpu": dict(
         # the layout and the residual stream
         # attention's additions: XSA and DC
         # the loss: prefix tokens
         # the FP8 MLP
-        # schedules, optimizers and data
+        # schedules, optimizers and data: the speedrun's values and forms at 60 steps (never tuned): 59 scheduled +
+        # 1 extension (15/1285 of 60 = 0.7), stage starts round(59k/3) = 20, 39, the tie split 39 | 1, momentum
+        # warm-up 300 x 60/1285 = 14 and cool-down 50 x 60/1285 = 2, validation every 250 x 60/1285 = 12; the
+        # batch ramp in 4 packed sequences of 512/1024/1536 tokens (1, 2 and 4 ranks split them, as V2_SHAPE's
+        # 6,144 tokens), whose 4/8/12 blocks hold the record's windows; document caps and lrs as the speedrun's
+        num_iterations=60, extension_steps=1, val_every=12,
+        batch_tokens=6144, batch_schedule="1/3,2/3,1", rounded_stages=True, batch_sequences=4, seq_len=1536,
+        bos_align=True, stage_doc_len_caps="896,2048,2048",
+        stage_lr_shares="1,1.52,1.73", stage_share_cooldown=True, cooldown_frac=0.6, lr_final_frac=0.15,
+        window_stages="3,7,11", extension_window_blocks=13, short_window_cap=6, final_window_blocks=20,
+        token_exact_windows=True, yarn_max_window=13, attn_scale=0.1,
+        muon_momentum_warmup_steps=14, muon_momentum_cooldown_steps=2,
+        muon_lr=0.023, polar_express=True, normuon=True, normuon_beta2=0.9,
+        cautious_wd=True, muon_cautious_wd=1.2, adam_cautious_wd=0.005,
+        adam_every=2, adam_master=False, adam_eps=1e-10,
+        adam_beta1=0.5, adam_beta2=0.95, head_lr=0.008, token_embed_lr=0.008,
+        head_embed_wd_mul=150.0, tied_embed_steps=39,
+        embed_lr=0.6, table_adam_beta1=0.75, value_embed_wd_mul=5.0, bigram_wd_mul=5.0,
+        scalar_lr=0.04, scalar_adam_beta1=0.9, scalar_adam_beta2=0.99,
+        gate_adam_lr=8e-5, gate_scalar_betas=True, ve_gate_lr=0.008,
     ),
     "medium": {},  # track 2 has its own record: the medium preset
 }
@@ -3800,10 +3952,8 @@ def resume(run: Run, checkpoint: Path | None) -> int:
 
 
 def lr_multiplier_at(run: Run, step: int) -> float:
-    """The step's lr multiplier: the cooldown schedule times the batch stage's scale."""
-    args = run.args
-    cooldown = lr_multiplier(step, scheduled_steps(args), args.cooldown_frac, args.lr_final_frac)
-    return cooldown * run.batches.lr_scale(step)
+    """The step's lr multiplier (step_lr_multiplier) in a run."""
+    return step_lr_multiplier(step, run.args, run.batches)
 
 
 def follow_yarn_logged(run: Run, step: int) -> None:
@@ -3831,7 +3981,7 @@ def train_step(run: Run, step: int) -> Tensor:
     run.opt.start_step(step, accum)
     tie_embedding(run, step)
     losses = []
-    for i, (x, y) in enumerate(run.loader.next_batch(accum, run.batches.seq_len(step))):
+    for i, (x, y) in enumerate(run.loader.next_batch(accum, run.batches.seq_len(step), run.batches.doc_cap(step))):
         run.opt.arm(i == accum - 1)
         loss = run.step_model(x, y, windows, *mtp)
         loss.backward()

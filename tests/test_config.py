@@ -128,7 +128,7 @@ BAD_VALUES = {  # field: (a value just inside the valid range, values outside it
     # track 2's techniques (the medium preset)
     "value_embed_tables": ("1", ["0", "-3"]), "attention_free_layer": ("false", ["x"]), "short_window_cap": ("0", ["-1"]),
     "window_stages": ("3,7", ["0", "3,x", "-1,2"]), "extension_steps": ("10", ["-1", "x"]),
-    "stage_lr_shares": ("0.5,1", ["0", "x", "0.5,2"]), "muon_momentum_cooldown_steps": ("10", ["-1"]),
+    "stage_lr_shares": ("0.5,1", ["0", "x", "0.5,-1", "1,inf"]), "muon_momentum_cooldown_steps": ("10", ["-1"]),
     "yarn_max_window": ("13", ["-1"]), "final_window_blocks": ("4", ["-1"]), "token_exact_windows": ("true", ["x"]),
     "batch_sequences": ("0", ["-1", "x"]),
     "pad_embed_tables": ("true", ["x"]), "skip_connections": ("2>5,1>4", ["6", "2>x", "2>5,1>5", "-1>2"]),
@@ -142,6 +142,11 @@ BAD_VALUES = {  # field: (a value just inside the valid range, values outside it
     "head_embed_wd_mul": ("150", ["-1", "inf"]), "value_embed_wd_mul": ("5", ["-1", "nan"]),
     "x0_lambda_lr": ("0.04", ["-1", "x"]), "gate_adam_lr": ("8e-5", ["-1", "nan"]),
     "tied_embed_steps": ("0", ["-1"]),
+    # record #89's schedules, optimizers and data
+    "rounded_stages": ("true", ["x"]), "extension_window_blocks": ("4", ["-1", "x"]),
+    "stage_share_cooldown": ("true", ["x"]), "stage_doc_len_caps": ("64,128", ["0", "x", "-1,2"]),
+    "table_adam_beta1": ("0.75", ["1", "x"]), "bigram_wd_mul": ("5", ["-1", "nan"]),
+    "gate_scalar_betas": ("true", ["x"]), "ve_gate_lr": ("0.008", ["-1", "x"]),
 }
 
 
@@ -153,7 +158,9 @@ def test_every_hyperparameter_has_a_rule_and_bad_values_here():
 USED_ONLY_WITH = {"matrix_adam_lr": ["--muon=false"], "batch_lr_exponent": ["--batch_schedule=1/2,1"],
                   "normuon_beta2": ["--normuon=true"], "muon_cautious_wd": ["--cautious_wd=true"],
                   "adam_cautious_wd": ["--cautious_wd=true"], "stage_lr_shares": ["--batch_schedule=1/2,1"],
-                  "yarn_max_window": ["--window_stages=1,2"], "muon_gate_lr_mul": ["--muon_gates=true"]}
+                  "yarn_max_window": ["--window_stages=1,2"], "muon_gate_lr_mul": ["--muon_gates=true"],
+                  "rounded_stages": ["--window_stages=1,2"], "extension_window_blocks": ["--extension_steps=2"],
+                  "stage_doc_len_caps": ["--batch_schedule=1/2,1", "--bos_align=true"]}
 
 
 @pytest.mark.parametrize("name", sorted(BAD_VALUES))
@@ -231,6 +238,8 @@ UNUSED = {
     "skip_connections": ["--unet_skips=false", "--skip_connections=2>5"],
     "skip_sigmoid": ["--unet_skips=false", "--skip_sigmoid=true"],
     "muon_gate_lr_mul": ["--muon_gate_lr_mul=0.2"],
+    "rounded_stages": ["--rounded_stages=true"], "extension_window_blocks": ["--extension_window_blocks=13"],
+    "stage_doc_len_caps": ["--bos_align=true", "--stage_doc_len_caps=896"],
 }
 
 
