@@ -1,5 +1,7 @@
 """Schedules (lr, Muon momentum, attention window, the step's device tensors), checked against the recipe's numbers."""
 
+import dataclasses
+import itertools
 import math
 
 import pytest
@@ -379,3 +381,216 @@ def test_the_tools_run_a_checkpoint_at_its_steps_yarn_state_and_windows():
         assert loaded.windows == T.attention_windows(at, args)
         assert all(block.attn.scale == T.yarn_state(at, args)[1] for block in loaded.model.blocks), (step, window)
     assert loaded.windows == (27, 11)
+
+
+# ----------------------------------------------------------------------------- record #89 (--recipe=record)
+# Its schedules transcribed from its source (KellerJordan/modded-nanogpt at f411b3d3, "T:n" = a line of its
+# train_gpt.py; docs/track1-record-fidelity.md section 2): TrainingSchedule, get_lr, get_muon_momentum, the stages'
+# windows and Yarn.apply. 1270 scheduled steps and 15 extension steps, 1285 in all.
+
+R_SCHEDULED, R_EXTENSION = 1270, 15
+R_STEPS = R_SCHEDULED + R_EXTENSION
+# TRAINING_STAGES (T:1979-1989): duration, batch_size, window_sizes (short, long), lr_mul, train_max_seq_len
+R_STAGES = [(1 / 3, 8 * 2048 * 8, (1, 3), 1.0, 896), (1 / 3, 16 * 2048 * 8, (3, 7), 1.52, 2048),
+            (1 / 3, 24 * 2048 * 8, (5, 11), 1.73, 2048), (None, 24 * 2048 * 8, (6, 13), 1.0, 2048)]
+
+
+def r_boundaries():
+    """TrainingSchedule.__init__ (T:1940-1945): [start, end) of each stage, the extension last."""
+    durations = [stage[0] for stage in R_STAGES[:-1]]
+    ends = [0, *[round(c * R_SCHEDULED) for c in itertools.accumulate(durations)], R_STEPS]
+    return list(itertools.pairwise(ends))
+
+
+def r_lookup(step):
+    """TrainingSchedule.lookup (T:1959-1966): (stage index, fraction of the way through it)."""
+    for i, (start, end) in enumerate(r_boundaries()):
+        if step < end:
+            return i, (step - start) / (end - start)
+    return len(R_STAGES) - 1, 1.0
+
+
+def r_get_lr(step):
+    """TrainingSchedule.get_lr (T:1968-1976) with cooldown_frac=0.60 (T:1992)."""
+    lr = R_STAGES[r_lookup(step)[0]][3]
+    cd_start = int(R_SCHEDULED * (1 - 0.60))
+    if step >= cd_start:
+        t = min(1.0, (step - cd_start) / (R_SCHEDULED - cd_start))
+        lr = lr * (1 - t) + 0.15 * t
+    return lr
+
+
+def r_get_ws(step):
+    """(long, short) in blocks: the stage's window_sizes (T:2112-2113); the last validation's 20 (T:2092-2093)."""
+    if step == R_STEPS:
+        return 20, 6
+    short, long = R_STAGES[r_lookup(step)[0]][2]
+    return long, short
+
+
+def r_get_muon_momentum(step, muon_warmup_steps=300, muon_cooldown_steps=50, momentum_min=0.85, momentum_max=0.95):
+    """get_muon_momentum (T:1995-2006)."""
+    momentum_cd_start = R_STEPS - muon_cooldown_steps
+    if step < muon_warmup_steps:
+        frac = step / muon_warmup_steps
+        return momentum_min + frac * (momentum_max - momentum_min)
+    if step > momentum_cd_start:
+        frac = (step - momentum_cd_start) / muon_cooldown_steps
+        return momentum_max - frac * (momentum_max - momentum_min)
+    return momentum_max
+
+
+def r_yarn_states():
+    """The record's Yarn (T:1000-1056) stepped by advance_schedule (T:2111-2116) through the run: {step:
+    (angular_freq, attn_scale)}; the last validation's 20 blocks apply no YaRN."""
+    freq = (1 / 1024) ** torch.linspace(0, 1, steps=32, dtype=torch.float32)
+    freq = torch.cat([freq, freq.new_zeros(32)])
+    scale, long, states = 0.1, r_get_ws(0)[0], {}
+    for step in range(R_STEPS):
+        new = r_get_ws(step)[0]
+        if new != long:
+            old_window, new_window = long * 128, new * 128
+            rotations = old_window * freq / (2 * torch.pi)
+            scaling_factor = old_window / new_window
+            interpolation_weight = torch.clamp((rotations - 1) / (32 - 1), 0, 1)
+            freq = freq * (scaling_factor + interpolation_weight * (1 - scaling_factor))
+            scale *= 0.2 * math.log(new_window / old_window) + 1
+        long = new
+        states[step] = (freq.clone(), scale)
+    states[R_STEPS] = states[R_STEPS - 1]
+    return states
+
+
+def record_schedules(preset="speedrun", world_size=8):
+    args = T.parse_args([f"--preset={preset}", "--recipe=record"], False)
+    return args, T.batch_schedule(args, world_size)
+
+
+# The audit's boundary table (section 2): step -> (stage, lr multiplier, Muon lr, Adam head/embed lr, value/bigram
+# table lr, Muon momentum, (short, long) window tokens, attention scale, Adam step, tied)
+R_BOUNDARY_TABLE = {
+    0: (0, 1.000, 0.02300, 0.00800, 0.600, 0.850, (128, 384), 0.1, False, True),
+    1: (0, 1.000, 0.02300, 0.00800, 0.600, 0.8503, (128, 384), 0.1, True, True),
+    300: (0, 1.000, 0.02300, 0.00800, 0.600, 0.950, (128, 384), 0.1, False, True),
+    422: (0, 1.000, 0.02300, 0.00800, 0.600, 0.950, (128, 384), 0.1, False, True),
+    423: (1, 1.520, 0.03496, 0.01216, 0.912, 0.950, (384, 896), 0.116946, True, True),
+    508: (1, 1.520, 0.03496, 0.01216, 0.912, 0.950, (384, 896), 0.116946, False, True),
+    509: (1, 1.5182, 0.03492, 0.01215, 0.911, 0.950, (384, 896), 0.116946, True, True),
+    846: (1, 0.91231, 0.02098, 0.00730, 0.547, 0.950, (384, 896), 0.116946, False, True),
+    847: (2, 1.02709, 0.02362, 0.00822, 0.616, 0.950, (640, 1408), 0.127518, True, True),
+    849: (2, 1.02294, 0.02353, 0.00818, 0.614, 0.950, (640, 1408), 0.127518, True, False),
+    1000: (2, 0.70984, 0.01633, 0.00568, 0.426, 0.950, (640, 1408), 0.127518, False, False),
+    1235: (2, 0.22257, 0.00512, 0.00178, 0.134, 0.950, (640, 1408), 0.127518, True, False),
+    1236: (2, 0.22050, 0.00507, 0.00176, 0.132, 0.948, (640, 1408), 0.127518, False, False),
+    1269: (2, 0.15207, 0.00350, 0.00122, 0.091, 0.882, (640, 1408), 0.127518, True, False),
+    1270: (3, 0.15, 0.00345, 0.00120, 0.090, 0.880, (768, 1664), 0.131778, False, False),
+    1284: (3, 0.15, 0.00345, 0.00120, 0.090, 0.852, (768, 1664), 0.131778, False, False),
+}
+
+
+@pytest.mark.parametrize("step", sorted(R_BOUNDARY_TABLE))
+def test_the_record_recipe_has_the_audits_values_at_every_boundary_step(step):
+    stage, lr, muon_lr, head_lr, table_lr, momentum, windows, scale, adam_step, tied = R_BOUNDARY_TABLE[step]
+    args, batches = record_schedules()
+    ell = T.step_lr_multiplier(step, args, batches)
+    assert min(batches.stage(step), 2) == min(stage, 2) and (step >= args.num_iterations - 15) == (stage == 3)
+    assert ell == pytest.approx(lr, abs=5e-6)
+    assert args.muon_lr * ell == pytest.approx(muon_lr, abs=5e-6)
+    assert args.head_lr * ell == pytest.approx(head_lr, abs=5e-6)
+    assert args.token_embed_lr * ell == pytest.approx(head_lr, abs=5e-6)
+    assert args.embed_lr * ell == pytest.approx(table_lr, abs=5e-4)
+    assert T.muon_momentum_at(step, args) == pytest.approx(momentum, abs=5e-5)
+    long, short = T.attention_windows(step, args)
+    assert (short * T.BLOCK_SIZE, long * T.BLOCK_SIZE) == windows
+    assert T.yarn_state(step, args)[1] == pytest.approx(scale, abs=5e-7)
+    assert ((step + 1) % args.adam_every == 0) == adam_step
+    assert (step <= args.tied_embed_steps) == tied
+
+
+def test_the_record_recipe_stages_start_at_423_and_847_for_the_batch_lr_windows_and_yarn():
+    args, batches = record_schedules()
+    assert [start for start, _ in r_boundaries()] == [0, 423, 847, 1270]
+    assert [batches.first_step(k) for k in range(3)] == [0, 423, 847]
+    assert [batches.stage(s) for s in range(R_STEPS + 3)] == [min(r_lookup(s)[0], 2) for s in range(R_STEPS + 3)]
+    assert [batches.lr_stage(s) for s in range(R_STEPS + 3)] == [batches.stage(s) for s in range(R_STEPS + 3)]
+    assert [batches.tokens(s) for s in range(R_STEPS + 3)] == [R_STAGES[r_lookup(s)[0]][1] for s in range(R_STEPS + 3)]
+    assert [c for c, _, _ in T.long_window_changes(args)] == [423, 847, 1270]
+    assert [c for c, _, _ in T.yarn_changes(R_STEPS, args)] == [423, 847, 1270]
+    assert args.tied_embed_steps == r_boundaries()[2][0] | 1 == 847  # T:1948: the split on an odd step
+    assert batches.stage_accum == (1, 1, 1) and batches.stage_seq_len == (16384, 32768, 49152)
+
+
+def test_the_record_recipe_trains_the_records_tokens():
+    """The tokens seen before each stage and in all (section 2): 55,443,456; 166,592,512; 332,922,880; 338,821,120."""
+    _, batches = record_schedules()
+    expected = {423: 55_443_456, 847: 166_592_512, 1270: 332_922_880, 1285: 338_821_120}
+    for step, tokens in expected.items():
+        assert batches.tokens_before(step) == tokens == sum(R_STAGES[r_lookup(s)[0]][1] for s in range(step))
+
+
+def test_the_record_recipe_lr_is_the_records_get_lr_at_every_step():
+    """Bit for bit at all 1285 steps and past them: the stage's lr_mul until 508, then lr_mul (1 - t) + 0.15 t."""
+    args, batches = record_schedules()
+    ours = [T.step_lr_multiplier(step, args, batches) for step in range(R_STEPS + 3)]
+    assert ours == [r_get_lr(step) for step in range(R_STEPS + 3)]
+    assert ours[507:510] == [1.52, 1.52, 1.52 * (1 - 1 / 762) + 0.15 / 762] and ours[1270:] == [0.15] * 18
+
+
+def test_the_record_recipe_muon_momentum_is_the_records_at_every_step():
+    args, _ = record_schedules()
+    ours = [T.muon_momentum_at(step, args) for step in range(R_STEPS + 1)]
+    assert ours[300:] == [r_get_muon_momentum(step) for step in range(300, R_STEPS + 1)]  # the cooldown in its form
+    assert ours[:300] == pytest.approx([r_get_muon_momentum(step) for step in range(300)], abs=1e-15)
+    assert ours[1235] == 0.95 and ours[1236] < 0.95 and ours[1284] == pytest.approx(0.852, abs=1e-12)
+
+
+def test_the_record_recipe_windows_are_the_records_at_every_step():
+    """(1, 3), (3, 7), (5, 11), the extension's (6, 13), and (6, 20) at the last validation, token-exact."""
+    args, _ = record_schedules()
+    assert [T.attention_windows(step, args) for step in range(R_STEPS + 1)] == \
+        [r_get_ws(step) for step in range(R_STEPS + 1)]
+    assert args.token_exact_windows
+    schedules = T.StepTensors(args, torch.device("cpu"))
+    assert schedules.windows(1270).tolist() == [13, 6] and schedules.windows(R_STEPS).tolist() == [20, 6]
+
+
+def test_the_record_recipe_yarn_is_the_records_and_none_for_the_last_validation():
+    args, _ = record_schedules()
+    m = r_yarn_states()
+    for step in (0, 422, 423, 424, 846, 847, 848, 1269, 1270, 1271, 1284, 1285):
+        freqs, scale = T.yarn_state(step, args)
+        assert torch.equal(freqs, m[step][0]) and scale == m[step][1], step
+    scales = [T.yarn_state(step, args)[1] for step in (422, 423, 847, 1270, 1285)]
+    assert scales == pytest.approx([0.1, 0.116946, 0.127518, 0.131778, 0.131778], abs=5e-7)
+    freqs = T.yarn_state(R_STEPS, args)[0]
+    assert freqs[0] == 1 and freqs[8].item() == pytest.approx(0.07363, abs=5e-6)
+    assert freqs[16].item() == pytest.approx(0.006769, abs=5e-7)
+    start = T.rotary_frequencies(128)
+    assert (freqs[19:32] / start[19:32]).tolist() == pytest.approx([384 / 1664] * 13, rel=1e-6)
+
+
+def test_the_record_recipe_on_the_cpu_preset_is_its_forms_at_60_steps():
+    args, batches = record_schedules("cpu", world_size=1)
+    assert T.scheduled_steps(args) == 59 and [batches.first_step(k) for k in range(3)] == [0, 20, 39]
+    assert args.tied_embed_steps == 39 and [c for c, _, _ in T.yarn_changes(60, args)] == [20, 39, 59]
+    assert batches.stage_seq_len == (512, 1024, 1536) and batches.stage_doc_cap == (896, 2048, 2048)
+    lrs = [T.step_lr_multiplier(step, args, batches) for step in range(61)]
+    assert lrs[:24] == [1.0] * 20 + [1.52] * 4 and lrs[59:] == [0.15, 0.15]  # the cooldown from int(0.4 x 59) = 23
+    for world_size in (1, 2, 4):
+        assert T.batch_schedule(args, world_size).stage_accum == (4 // world_size,) * 3
+    with pytest.raises(T.UsageError, match="world size 3 cannot split --batch_sequences=4"):
+        T.batch_schedule(args, 3)
+
+
+def test_the_record_recipe_is_refused_on_the_medium_preset_in_one_line():
+    with pytest.raises(T.UsageError) as e:
+        T.parse_args(["--preset=medium", "--recipe=record"], False)
+    assert "--recipe=record" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_the_record_flags_off_keep_todays_stage_starts_and_lr():
+    """Without --rounded_stages a stage starts at ceil(k S / n) (424 of 1270); get_lr's form alone."""
+    args, batches = record_schedules()
+    plain = T.batch_schedule(dataclasses.replace(args, rounded_stages=False), 8)
+    assert [plain.first_step(k) for k in range(3)] == [0, 424, 847] and plain.stage(423) == plain.lr_stage(423) == 0
+    assert T.stage_share_cooldown_lr(600, 1270, 0.6, 0.15, 1.52) == r_get_lr(600)
