@@ -306,7 +306,8 @@ def record_steps(files, batch_sizes, world_size, max_seq_len):
     shards = iter(files)
     tokens = T.load_shard(next(shards), VOCAB)
     finder = RecordBOSFinder(tokens)
-    for batch in batch_sizes:
+    caps = max_seq_len if isinstance(max_seq_len, list) else [max_seq_len] * len(batch_sizes)  # record #89: per stage
+    for batch, max_seq_len in zip(batch_sizes, caps):
         num_tokens_local = batch // grad_accum // world_size
         buffers = []
         for _ in range(grad_accum):
@@ -364,3 +365,25 @@ def test_packed_steps_are_the_records_buffers_on_the_sample_shard_at_the_medium_
     files = [REPO_SAMPLE] * 3
     batch_sizes = [131072, 262144, 393216, 524288]
     check_packed_against_record(files, batch_sizes, world_size, doc_cap=4096, same_shard_steps=2)
+
+
+def test_record_89s_document_cap_changes_with_the_stage(tmp_path):
+    """Record #89 (T:1737-1760, T:1980-1987): the stage's train_max_seq_len cuts documents, 896 tokens in stage 0
+    and 2048 after; --stage_doc_len_caps gives the loader each step's cap (here 48 then 64, on 2 ranks)."""
+    files = [write_shard(tmp_path / f"s{i}.bin", doc_tokens(9000, seed=30 + i, mean_doc=60)) for i in range(4)]
+    args = T.parse_args(["--preset=cpu", "--recipe=record", "--batch_tokens=3072", "--batch_sequences=8",
+                         "--seq_len=384", "--stage_doc_len_caps=48,64,64", "--num_iterations=7",
+                         "--extension_steps=1", "--muon_momentum_warmup_steps=3", "--tied_embed_steps=5",
+                         "--muon_momentum_cooldown_steps=1"], False)
+    batches = T.batch_schedule(args, 2)
+    assert [batches.doc_cap(step) for step in range(8)] == [48, 48, 64, 64, 64, 64, 64, 64]
+    steps = range(6)
+    want = list(record_steps(files, [batches.tokens(s) for s in steps], 8, [batches.doc_cap(s) for s in steps]))
+    for rank in range(2):
+        loader = T.DistributedTokenLoader(T.TokenStream(files, VOCAB, False), rank, 2, True, 0,
+                                          torch.device("cpu"), step_in_one_shard=True)
+        for step in steps:
+            got = loader.next_batch(batches.accum(step), batches.seq_len(step), batches.doc_cap(step))
+            for k, (x, y) in enumerate(got):
+                np.testing.assert_array_equal(torch.cat([x, y[-1:]]).numpy(), want[step][k * 2 + rank])
+    assert T.batch_schedule(T.parse_args(["--preset=cpu"], False), 1).doc_cap(0) is None  # off: the loader's cap
