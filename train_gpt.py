@@ -362,12 +362,17 @@ def help_text(overrides: dict[str, object]) -> str:
     preset = overrides.get("preset", "speedrun")
     chosen = resolve_hyperparameters({**overrides, "preset": preset if preset != "auto" else "speedrun"}, False)
     others = {name: resolve_hyperparameters({**overrides, "preset": name}, False) for name in PRESETS
-              if name != chosen.preset}
+              if name != chosen.preset and recipe_fits(chosen.recipe, name)}
     return "\n".join([
         "usage: torchrun --nproc_per_node=N train_gpt.py [--name=value ...]   (one process: python train_gpt.py)",
         f"Every flag is --name=value (a bare --name sets a switch true). Values shown: the {chosen.preset} preset, "
         f"recipe {chosen.recipe} (--preset=NAME --recipe=NAME --help shows another); [name: x] is another "
         "preset's value.", *help_lines(chosen, others, same=("preset",))])
+
+
+def recipe_fits(recipe: str, preset: str) -> bool:
+    """Whether a recipe has values for a preset: record #89's are the short track's, not the medium preset's."""
+    return not (recipe == "record" and preset == "medium")
 
 
 def resolve_hyperparameters(overrides: dict[str, object], cuda_available: bool,
@@ -382,7 +387,7 @@ def resolve_hyperparameters(overrides: dict[str, object], cuda_available: bool,
     recipe = overrides.get("recipe", Hyperparameters.recipe)
     if recipe not in RECIPES:
         raise UsageError(f"unknown recipe {recipe!r}; valid recipes: {', '.join(RECIPES)}")
-    if recipe == "record" and preset == "medium":
+    if not recipe_fits(recipe, preset):
         raise UsageError("--recipe=record is the short track's record #89; the medium preset is track 2's record "
                          "already: pass --preset=speedrun or --preset=cpu, or drop --recipe")
     args = Hyperparameters(**{**PRESETS[preset], **RECIPES[recipe][preset], **overrides, "preset": preset})

@@ -586,6 +586,7 @@ def test_the_record_recipe_is_refused_on_the_medium_preset_in_one_line():
     with pytest.raises(T.UsageError) as e:
         T.parse_args(["--preset=medium", "--recipe=record"], False)
     assert "--recipe=record" in str(e.value) and "\n" not in str(e.value)
+    assert "[medium:" not in T.help_text({"preset": "cpu", "recipe": "record"})  # --help leaves that preset out
 
 
 def test_the_record_flags_off_keep_todays_stage_starts_and_lr():
