@@ -1041,6 +1041,58 @@ def paired_tokens(tokens: Tensor) -> Tensor:
     return torch.stack([tokens, second], dim=1).flatten()
 
 
+def exclusive_self_attention(y: Tensor, v: Tensor, alpha: Tensor) -> Tensor:
+    """Gated XSA (record #89, T:1151-1157): each head's output y (1, T, H, D) loses the fraction tanh(alpha)
+    (alpha (1, T, H), init 0: a no-op) of its projection on the same token's value v, in y's dtype as the record."""
+    dot = (y * v).sum(-1, keepdim=True)
+    denom = v.square().sum(-1, keepdim=True).clamp_min(1e-8)
+    strength = torch.tanh(alpha).type_as(y)[..., None]
+    return y - strength * (dot / denom) * v
+
+
+def chunk_and_previous(t: Tensor, chunk: int) -> Tensor:
+    """(1, T, ...) -> (T/chunk, 2*chunk, ...): chunk c's rows preceded by chunk c-1's (zeros before chunk 0)."""
+    rows = t[0].view(t.size(1) // chunk, chunk, *t.shape[2:])
+    return torch.cat([torch.cat([torch.zeros_like(rows[:1]), rows[:-1]]), rows], dim=1)
+
+
+def dc_window_mask(docs: Tensor, keys: int, chunk: int) -> Tensor:
+    """(T/chunk, 1, chunk, 2*chunk) mask over chunk_and_previous's keys: key s is in query t's DC window when
+    t - keys < s <= t and s is in t's document (DC:313-321); the zero padding before chunk 0 never is."""
+    n = docs.numel() // chunk
+    q_idx = torch.arange(n * chunk, device=docs.device).view(n, chunk, 1)
+    first_key = torch.arange(-1, n - 1, device=docs.device).view(n, 1, 1) * chunk
+    kv_idx = first_key + torch.arange(2 * chunk, device=docs.device)  # (n, 1, 2chunk)
+    rel = q_idx - kv_idx
+    same_doc = docs[q_idx] == docs[kv_idx.clamp_min(0)]
+    return ((rel >= 0) & (rel < keys) & (kv_idx >= 0) & same_doc)[:, None]
+
+
+def dc_composition(q: Tensor, k: Tensor, v: Tensor, w1: Tensor, w2: Tensor, docs: Tensor, keys: int,
+                   scale: float) -> Tensor:
+    """Record #89's DC head composition (T:1142-1149, DC:253-440), the term added to the attention output.
+
+    Each head's softmax over the `keys` keys t-keys+1..t of t's document (q, k, v (1, T, H, D) as attention
+    uses them) is mixed over heads by w1 (rms-normalised over heads, eps 1e-6, T:1077), and each head adds
+    w2 * (that mix) @ v. The rms, scores and mix are fp32 (fp64 for fp64 inputs); w2 times the mix is cast to v's dtype
+    before the product with v (DC:235-236). Queries go in chunks of 128 against their chunk and the one before
+    (keys <= 128), so memory is O(T * 256 * H), not a (T, keys, H, D) gather.
+    """
+    chunk, (T, H, D) = BLOCK_SIZE, q.shape[1:]
+    if keys > chunk or T % chunk:
+        raise ValueError(f"DC takes a window of at most {chunk} keys over a multiple of {chunk} tokens")
+    n, wide = T // chunk, torch.promote_types(v.dtype, torch.float32)
+    w1 = F.rms_norm(w1.to(wide), (H,), eps=1e-6).to(v.dtype).to(wide)  # then cast to x's dtype as T:1077
+    w1, w2 = (w[0].view(n, chunk, H).permute(0, 2, 1)[..., None] for w in (w1, w2.to(v.dtype).to(wide)))
+    q_chunks = q[0].to(wide).view(n, chunk, H, D).transpose(1, 2)  # (n, H, chunk, D)
+    k_bands, v_bands = (chunk_and_previous(t, chunk).transpose(1, 2) for t in (k.to(wide), v))  # (n, H, 2chunk, D)
+    scores = scale * (q_chunks @ k_bands.transpose(-1, -2))
+    probs = scores.masked_fill(~dc_window_mask(docs, keys, chunk), float("-inf")).softmax(-1)
+    mix = (w1 * probs).sum(1, keepdim=True)  # (n, 1, chunk, 2chunk): A(t, s) of every head's softmax
+    out = (w2 * mix).to(v.dtype) @ v_bands  # (n, H, chunk, D)
+    return out.transpose(1, 2).reshape(1, T, H, D)
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, uses_value_embed: bool, paired: bool = False, key_offset: bool = False):
         super().__init__()
