@@ -142,6 +142,8 @@ BAD_VALUES = {  # field: (a value just inside the valid range, values outside it
     "head_embed_wd_mul": ("150", ["-1", "inf"]), "value_embed_wd_mul": ("5", ["-1", "nan"]),
     "x0_lambda_lr": ("0.04", ["-1", "x"]), "gate_adam_lr": ("8e-5", ["-1", "nan"]),
     "tied_embed_steps": ("0", ["-1"]),
+    # record #89's techniques (--recipe=record)
+    "muon_qk_head_pairs": ("true", ["x"]),
 }
 
 

@@ -4,7 +4,6 @@ heads, fp64) forward and gradient: gated XSA (exclusive_self_attention, T:1151-1
 
 import pytest
 import torch
-from torch._dynamo.backends.common import aot_autograd  # noqa: F401  (aot_eager is registered with it)
 
 import train_gpt as T
 
