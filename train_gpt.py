@@ -228,6 +228,9 @@ class Hyperparameters:
     record_muon_shapes: bool = flag(False, "track 2, 2025-12-31_BulkSmallTrackTransfer: Muon's lr (and decay) "
                                            "multiplier from M's stored shapes (M L633-649): Q, K, V, O x2, c_fc x2, "
                                            "MLP c_proj x4")
+    muon_qk_head_pairs: bool = flag(False, "record #89, 2026-04-08_PairedHeadMuon (T:1272-1285, T:510): Muon "
+                                           "orthogonalises Q and K per head pair (2 * head_dim x dim, NorMuon per "
+                                           "pair), V and O whole; with record_muon_shapes their lr from those shapes")
     muon_gates: bool = flag(False, "same record: the attention and value-embedding gates train in Muon (per-row "
                                    "NorMuon, cautious decay), not the scalar Adam (M L949-957)")
     muon_gate_lr_mul: float = flag(0.1, "same record: the gates' share of muon_lr (M L951, L957)")
@@ -1087,6 +1090,58 @@ def paired_tokens(tokens: Tensor) -> Tensor:
     return torch.stack([tokens, second], dim=1).flatten()
 
 
+def exclusive_self_attention(y: Tensor, v: Tensor, alpha: Tensor) -> Tensor:
+    """Gated XSA (record #89, T:1151-1157): each head's output y (1, T, H, D) loses the fraction tanh(alpha)
+    (alpha (1, T, H), init 0: a no-op) of its projection on the same token's value v, in y's dtype as the record."""
+    dot = (y * v).sum(-1, keepdim=True)
+    denom = v.square().sum(-1, keepdim=True).clamp_min(1e-8)
+    strength = torch.tanh(alpha).type_as(y)[..., None]
+    return y - strength * (dot / denom) * v
+
+
+def chunk_and_previous(t: Tensor, chunk: int) -> Tensor:
+    """(1, T, ...) -> (T/chunk, 2*chunk, ...): chunk c's rows preceded by chunk c-1's (zeros before chunk 0)."""
+    rows = t[0].view(t.size(1) // chunk, chunk, *t.shape[2:])
+    return torch.cat([torch.cat([torch.zeros_like(rows[:1]), rows[:-1]]), rows], dim=1)
+
+
+def dc_window_mask(docs: Tensor, keys: int, chunk: int) -> Tensor:
+    """(T/chunk, 1, chunk, 2*chunk) mask over chunk_and_previous's keys: key s is in query t's DC window when
+    t - keys < s <= t and s is in t's document (DC:313-321); the zero padding before chunk 0 never is."""
+    n = docs.numel() // chunk
+    q_idx = torch.arange(n * chunk, device=docs.device).view(n, chunk, 1)
+    first_key = torch.arange(-1, n - 1, device=docs.device).view(n, 1, 1) * chunk
+    kv_idx = first_key + torch.arange(2 * chunk, device=docs.device)  # (n, 1, 2chunk)
+    rel = q_idx - kv_idx
+    same_doc = docs[q_idx] == docs[kv_idx.clamp_min(0)]
+    return ((rel >= 0) & (rel < keys) & (kv_idx >= 0) & same_doc)[:, None]
+
+
+def dc_composition(q: Tensor, k: Tensor, v: Tensor, w1: Tensor, w2: Tensor, docs: Tensor, keys: int,
+                   scale: float) -> Tensor:
+    """Record #89's DC head composition (T:1142-1149, DC:253-440), the term added to the attention output.
+
+    Each head's softmax over the `keys` keys t-keys+1..t of t's document (q, k, v (1, T, H, D) as attention
+    uses them) is mixed over heads by w1 (rms-normalised over heads, eps 1e-6, T:1077), and each head adds
+    w2 * (that mix) @ v. The rms, scores and mix are fp32 (fp64 for fp64 inputs); w2 times the mix is cast to v's dtype
+    before the product with v (DC:235-236). Queries go in chunks of 128 against their chunk and the one before
+    (keys <= 128), so memory is O(T * 256 * H), not a (T, keys, H, D) gather.
+    """
+    chunk, (T, H, D) = BLOCK_SIZE, q.shape[1:]
+    if keys > chunk or T % chunk:
+        raise ValueError(f"DC takes a window of at most {chunk} keys over a multiple of {chunk} tokens")
+    n, wide = T // chunk, torch.promote_types(v.dtype, torch.float32)
+    w1 = F.rms_norm(w1.to(wide), (H,), eps=1e-6).to(v.dtype).to(wide)  # then cast to x's dtype as T:1077
+    w1, w2 = (w[0].view(n, chunk, H).permute(0, 2, 1)[..., None] for w in (w1, w2.to(v.dtype).to(wide)))
+    q_chunks = q[0].to(wide).view(n, chunk, H, D).transpose(1, 2)  # (n, H, chunk, D)
+    k_bands, v_bands = (chunk_and_previous(t, chunk).transpose(1, 2) for t in (k.to(wide), v))  # (n, H, 2chunk, D)
+    scores = scale * (q_chunks @ k_bands.transpose(-1, -2))
+    probs = scores.masked_fill(~dc_window_mask(docs, keys, chunk), float("-inf")).softmax(-1)
+    mix = (w1 * probs).sum(1, keepdim=True)  # (n, 1, chunk, 2chunk): A(t, s) of every head's softmax
+    out = (w2 * mix).to(v.dtype) @ v_bands  # (n, H, chunk, D)
+    return out.transpose(1, 2).reshape(1, T, H, D)
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, uses_value_embed: bool, paired: bool = False, key_offset: bool = False):
         super().__init__()
@@ -1770,7 +1825,8 @@ class Muon:
 
     def __init__(self, buckets: list[Bucket], rank: int, lr: float, ns_steps: int, names: dict[Tensor, str],
                  orthogonalize=None, normuon_beta2: float | None = None, cautious_wd: float = 0.0,
-                 lr_muls: dict[Tensor, float] | None = None, per_row: typing.Collection[Tensor] = ()):
+                 lr_muls: dict[Tensor, float] | None = None, per_row: typing.Collection[Tensor] = (),
+                 head_pair_rows: dict[Tensor, int] | None = None):
         self.buckets, self.rank, self.base_lr, self.ns_steps = buckets, rank, lr, ns_steps
         self.orthogonalize = orthogonalize or newton_schulz
         self.normuon_beta2, self.cautious_wd = normuon_beta2, cautious_wd
@@ -1779,8 +1835,39 @@ class Muon:
         self.index_of = {names[b.params[rank]]: i for i, b in enumerate(buckets) if b.params[rank] is not None}
         self.momentum_buffers = {i: torch.zeros_like(self.owned(i)) for i in self.index_of.values()}
         per_row_ids = {id(p) for p in per_row}
-        self.second_moments = ({i: neuron_second_moment(self.owned(i), id(self.owned(i)) in per_row_ids)
+        # record #89 (T:1272-1285): a qkv_w listed here is Muon's 2(H/2) Q and K head-pair matrices and one V
+        self.group_rows = {i: rows for p, rows in (head_pair_rows or {}).items()
+                           for i in self.index_of.values() if self.owned(i) is p}
+        self.second_moments = ({i: self.new_second_moment(i, id(self.owned(i)) in per_row_ids)
                                 for i in self.index_of.values()} if normuon_beta2 is not None else {})
+
+    def matrices(self, i: int, t: Tensor) -> list[Tensor]:
+        """Owned matrix i (or a tensor shaped like it) as the batches of matrices Muon orthogonalises on their own:
+        itself (a 3-dim qkv_w is already Q, K and V), or its head pairs' groups."""
+        return [t] if i not in self.group_rows else head_pair_matrices(t, self.group_rows[i])
+
+    def new_second_moment(self, i: int, per_row: bool) -> Tensor:
+        """NorMuon's state of owned matrix i: one tensor, flat over its groups' per-neuron moments if it has groups
+        (one state tensor per matrix keeps the checkpoint's names)."""
+        if i not in self.group_rows:
+            return neuron_second_moment(self.owned(i), per_row)
+        return torch.cat([neuron_second_moment(m).flatten() for m in self.matrices(i, self.owned(i))])
+
+    def second_moment_views(self, i: int) -> list[Tensor]:
+        """Matrix i's NorMuon state as one view per group of matrices (NorMuon updates them in place)."""
+        if i not in self.group_rows:
+            return [self.second_moments[i]]
+        shapes = [neuron_second_moment(m).shape for m in self.matrices(i, self.owned(i).data)]
+        views = self.second_moments[i].split([math.prod(shape) for shape in shapes])
+        return [v.view(shape) for v, shape in zip(views, shapes, strict=True)]
+
+    def orthogonalized(self, i: int, m: Tensor) -> Tensor:
+        """Owned matrix i's momentum-smoothed gradient m orthogonalised per group (then NorMuon, if on)."""
+        updates = [self.orthogonalize(g, self.ns_steps) for g in self.matrices(i, m)]
+        if self.normuon_beta2 is not None:
+            updates = [normuon_normalize(u, s, self.normuon_beta2)
+                       for u, s in zip(updates, self.second_moment_views(i), strict=True)]
+        return updates[0] if len(updates) == 1 else torch.cat([u.flatten() for u in updates]).view_as(m)
 
     def owned(self, i: int) -> nn.Parameter | None:
         return self.buckets[i].params[self.rank]
@@ -1796,9 +1883,7 @@ class Muon:
                 buf = self.momentum_buffers[i]
                 grad = grad.view_as(p).to(buf.dtype)  # a bf16 gate (track 2) keeps bf16 momentum, as M does
                 buf.lerp_(grad, 1 - momentum)
-                update = self.orthogonalize(grad.lerp_(buf, momentum), self.ns_steps)  # Nesterov
-                if self.normuon_beta2 is not None:
-                    update = normuon_normalize(update, self.second_moments[i], self.normuon_beta2)
+                update = self.orthogonalized(i, grad.lerp_(buf, momentum))  # Nesterov
             if bucket.world_size == 1:
                 self._apply(p, update, lr, self.cautious_wd, self.lr_muls[p])
                 continue
@@ -1830,6 +1915,12 @@ class Muon:
         return {**{f"muon/{name}": self.momentum_buffers[i] for name, i in self.index_of.items()},
                 **{f"normuon/{name}": self.second_moments[i] for name, i in self.index_of.items()
                    if i in self.second_moments}}
+
+
+def head_pair_matrices(qkv: Tensor, rows: int) -> list[Tensor]:
+    """A (3, H * D, dim) qkv_w-shaped tensor as record #89's Muon groups (T:1272-1285): Q's and then K's head pairs,
+    (2 * H/2, rows = 2D, dim), and V whole (1, H * D, dim); views, in qkv's element order."""
+    return [qkv[:2].reshape(-1, rows, qkv.size(-1)), qkv[2:]]
 
 
 def cautious_mask(update: Tensor, param: Tensor) -> Tensor:
@@ -2310,9 +2401,15 @@ MUON_GATES = ("attn_gate", "ve_gate")  # track 2 trains these in Muon (M L949-95
 RECORD_C_PROJ_LR_MUL = 2.0  # M L1001: the MLP's output projection's lr_mul
 
 
-def record_stored_shape(name: str, p: Tensor, cfg: ModelConfig) -> tuple[int, int]:
+def record_stored_shape(name: str, p: Tensor, cfg: ModelConfig, qk_head_pairs: bool = False) -> tuple[int, int]:
     """The shape M stores a hidden matrix in, which its Muon lr multiplier reads (M L633-649): Q, K, V and O in
-    one (4 * model_dim, heads * head_dim) matrix (M L940), both MLP matrices as (4 * model_dim, model_dim)."""
+    one (4 * model_dim, heads * head_dim) matrix (M L940), both MLP matrices as (4 * model_dim, model_dim).
+    With qk_head_pairs, record #89's banks (T:1272-1285): Q and K head pairs (2 * head_dim, model_dim), V and O
+    (heads * head_dim, heads * head_dim), so every attention matrix gets max(1, rows/cols)**0.5 = 1."""
+    if qk_head_pairs and name.endswith("attn.qkv_w"):
+        return 2 * cfg.head_dim, cfg.model_dim
+    if qk_head_pairs and name.endswith("attn.c_proj.weight"):
+        return p.shape[-1], p.shape[-2]
     if name.endswith("attn.qkv_w") or name.endswith("attn.c_proj.weight"):
         return 4 * cfg.model_dim, cfg.n_head * cfg.head_dim
     if name.endswith("mlp.c_proj.weight"):
@@ -2327,12 +2424,20 @@ def muon_lr_multipliers(model: GPT, args: Hyperparameters, muon_params: list[Ten
     for name, p in model.named_parameters():
         if not any(p is q for q in muon_params):
             continue
-        shape = record_stored_shape(name, p, model.config) if args.record_muon_shapes else p.shape
+        shape = (record_stored_shape(name, p, model.config, args.muon_qk_head_pairs) if args.record_muon_shapes
+                 else p.shape)
         lr_mul = RECORD_C_PROJ_LR_MUL if args.record_muon_shapes and name.endswith("mlp.c_proj.weight") else 1.0
         if name.endswith(MUON_GATES) and args.muon_gates:
             lr_mul = args.muon_gate_lr_mul
         out[p] = shape_lr_multiplier(shape) * lr_mul
     return out
+
+
+def head_pair_rows(model: GPT, args: Hyperparameters) -> dict[Tensor, int]:
+    """With --muon_qk_head_pairs, each attention's qkv_w and the rows of one head pair's Q (or K) matrix."""
+    if not args.muon_qk_head_pairs:
+        return {}
+    return {p: 2 * model.config.head_dim for name, p in model.named_parameters() if name.endswith("attn.qkv_w")}
 
 
 def is_x0_lambda(name: str) -> bool:
@@ -2401,7 +2506,8 @@ def build_optimizers(model: GPT, args: Hyperparameters, rank: int, world_size: i
     muon = Muon(muon_part, rank, args.muon_lr, args.ns_steps, names, orthogonalize,
                 normuon_beta2=args.normuon_beta2 if args.normuon else None,
                 cautious_wd=args.muon_cautious_wd if args.cautious_wd else 0.0,
-                lr_muls=muon_lr_multipliers(model, args, in_muon), per_row=muon_gates) if args.muon else None
+                lr_muls=muon_lr_multipliers(model, args, in_muon), per_row=muon_gates,
+                head_pair_rows=head_pair_rows(model, args)) if args.muon else None
     adam_kind = ShardedAdam if args.adam_master else RecordAdam
     adam = adam_kind(adam_part, {g.param: g for g in groups}, rank, (args.adam_beta1, args.adam_beta2), args.adam_eps,
                      names)
@@ -3051,6 +3157,14 @@ TECHNIQUES: tuple[Technique, ...] = (
         {"medium": {}}, left_out=only_track_2("Muon's lr from the matrices' own shapes"),
         refusals=(needs_muon("record_muon_shapes"),)),
     Technique(
+        "muon_qk_head_pairs", ("2026-04-08_PairedHeadMuon",), "optimizer", {"muon_qk_head_pairs": ANY_BOOL}, {},
+        left_out={preset: "a record #89 technique (--recipe=record)" for preset in PRESETS},
+        refusals=(needs_muon("muon_qk_head_pairs"),
+                  Refusal(lambda a: a.muon_qk_head_pairs and a.n_head % 2,
+                          lambda a: f"--muon_qk_head_pairs=true groups Q and K by head pairs, and --n_head={a.n_head} "
+                                    "is odd; pass an even --n_head or --muon_qk_head_pairs=false")),
+        optimizer_state=True),
+    Technique(
         "muon_gates", ("2025-12-31_BulkSmallTrackTransfer",), "optimizer",
         {"muon_gates": ANY_BOOL, "muon_gate_lr_mul": LR}, {"medium": {}},
         left_out=only_track_2("the gates in the scalar Adam (2025-12-31_GatesToCompiledAdam)"),
@@ -3340,6 +3454,7 @@ RECORD_VALUES: dict[str, dict[str, object]] = {
     "speedrun": dict(
         # the layout and the residual stream (T:1208-1500, T:1530-1690)
         # attention's additions: XSA and DC (T:1072-1161)
+        muon_qk_head_pairs=True,  # T:1272-1279: Q and K orthogonalised as 3 + 3 (256 x 768) head-pair groups
         # the loss: prefix tokens (T:1175-1198, K:1066-1168)
         # the FP8 MLP (T:1403-1434, K:443-713)
         # schedules, optimizers and data (T:1886-2110)
@@ -3365,6 +3480,7 @@ RECORD_VALUES: dict[str, dict[str, object]] = {
     "cpu": dict(
         # the layout and the residual stream
         # attention's additions: XSA and DC
+        muon_qk_head_pairs=True,  # T:1272-1279: per head pair, at the cpu width 2 + 2 (128 x 256) groups
         # the loss: prefix tokens
         # the FP8 MLP
         # schedules, optimizers and data: the speedrun's values and forms at 60 steps (never tuned): 59 scheduled +

@@ -147,6 +147,8 @@ BAD_VALUES = {  # field: (a value just inside the valid range, values outside it
     "stage_share_cooldown": ("true", ["x"]), "stage_doc_len_caps": ("64,128", ["0", "x", "-1,2"]),
     "table_adam_beta1": ("0.75", ["1", "x"]), "bigram_wd_mul": ("5", ["-1", "nan"]),
     "gate_scalar_betas": ("true", ["x"]), "ve_gate_lr": ("0.008", ["-1", "x"]),
+    # record #89's techniques (--recipe=record)
+    "muon_qk_head_pairs": ("true", ["x"]),
 }
 
 

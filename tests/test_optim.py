@@ -237,6 +237,64 @@ def test_muon_two_steps_match_reference(extra):
         before = after
 
 
+def head_pair_reference_update(g, buf, momentum, rows, orthogonalize=T.newton_schulz, normuon=None):
+    """Record #89's Muon groups (T:1272-1279) written out: Q's and K's row blocks of one head pair each
+    orthogonalised on their own, V whole; NorMuon (given its moments, a list per matrix) per group as well."""
+    buf = momentum * buf + (1 - momentum) * g
+    nesterov = (1 - momentum) * g + momentum * buf
+    mats = [nesterov[j, r:r + rows] for j in (0, 1) for r in range(0, g.size(1), rows)] + [nesterov[2]]
+    ortho = [orthogonalize(m).float() for m in mats]
+    if normuon is not None:
+        pairs = [normuon_reference(o, v, 0.95) for o, v in zip(ortho, normuon, strict=True)]
+        ortho, normuon[:] = [o.float() for o, _ in pairs], [v for _, v in pairs]
+    n = g.size(1) // rows
+    return torch.stack([torch.cat(ortho[:n]), torch.cat(ortho[n:2 * n]), ortho[-1]]), buf
+
+
+HEAD_PAIRS = ["--n_head=4", "--head_dim=16", "--muon_qk_head_pairs=true"]  # 2 pairs: (32 x 64) groups
+
+
+@pytest.mark.parametrize("extra", [[], ["--normuon=true"]], ids=["R", "normuon"])
+def test_muon_head_pair_groups_match_a_direct_per_pair_orthogonalisation(extra):
+    args, model, opt = small_model(*HEAD_PAIRS, *extra)
+    rows = 2 * args.head_dim
+    names = [n for n in dict(model.named_parameters()) if n.endswith("attn.qkv_w")]
+    before = params(model)
+    bufs = {n: torch.zeros_like(before[n]) for n in names}
+    # per group: Q's and K's pairs are wide (32 x 64): a moment per column; V (64 x 64) one per row
+    stats = {n: [[0.0] * 64 for _ in range(5)] for n in names} if args.normuon else {}
+    for step, (lr_mult, momentum) in enumerate([(1.0, 0.85), (0.5, 0.9)]):
+        grads = backward(model, opt, args, seed=step)
+        opt.step(lr_mult, momentum, 1)
+        model.zero_grad(set_to_none=False)
+        after = params(model)
+        for n in names:
+            ortho, bufs[n] = head_pair_reference_update(grads[n], bufs[n], momentum, rows, normuon=stats.get(n))
+            ref_delta, delta = -args.muon_lr * lr_mult * ortho, after[n] - before[n]
+            rel = ((delta - ref_delta).norm() / ref_delta.norm()).item()
+            assert rel < (1e-5 if step == 0 else 0.06), (step, n, rel)  # as test_muon_two_steps_match_reference
+            if args.normuon:
+                got = opt.muon.state_tensors()[f"normuon/{n}"].double()
+                assert got.shape == (5 * 64,)  # one state tensor per matrix, flat over its groups
+                ref = torch.tensor([x for v in stats[n] for x in v], dtype=torch.float64)
+                torch.testing.assert_close(got, ref, rtol=0.1, atol=1e-9)
+        before = after
+
+
+def test_head_pair_groups_are_views_in_qkv_order_and_their_lr_multiplier_is_the_records():
+    """T:1278 stores Q's and K's pairs as (2 * head_dim, dim) matrices, T:510 gives them max(1, 256/768)**0.5 = 1
+    (V and O whole, 768 x 768: 1) where M's one (4d, d) matrix had 2."""
+    qkv = torch.arange(3 * 8 * 4.0).view(3, 8, 4)
+    qk, v = T.head_pair_matrices(qkv, 4)
+    assert qk.shape == (4, 4, 4) and v.shape == (1, 8, 4) and qk.data_ptr() == qkv.data_ptr()
+    assert torch.equal(qk[1], qkv[0, 4:]) and torch.equal(qk[2], qkv[1, :4]) and torch.equal(v[0], qkv[2])
+    for extra, attention_mul in (([], 2.0), (["--muon_qk_head_pairs=true"], 1.0)):
+        args, model, opt = small_model("--n_head=4", "--head_dim=16", "--record_muon_shapes=true", *extra)
+        muls = {n: opt.muon.lr_muls[p] for n, p in model.named_parameters() if p in opt.muon.lr_muls}
+        assert muls["blocks.0.attn.qkv_w"] == muls["blocks.0.attn.c_proj.weight"] == attention_mul, extra
+        assert muls["blocks.0.mlp.c_fc.weight"] == 2.0 and muls["blocks.0.mlp.c_proj.weight"] == 4.0
+
+
 def adam_reference(p, g, state, lr, t, betas=(0.8, 0.95), eps=1e-10, wd=0.0, cautious_wd=0.0, tie_moment=None):
     """Bias-corrected Adam with decoupled (lr-scaled) weight decay, in float64. Cautious decay
     (2025-11-10_CautiousWD, 2025-12-18_CautiousWDAdam) has the scheduled strength lr * wd, decoupled
@@ -665,9 +723,10 @@ def test_tied_inputs_are_the_heads_rows():
         torch.testing.assert_close(model.logits(tokens, T.window_tensor(1)), tied)
 
 
-def medium_ranks_worker(rank, world_size, port, out):
+def medium_ranks_worker(rank, world_size, port, out, extra=()):
     """One rank of test_a_medium_step_is_the_same_on_1_2_and_4_ranks: four steps of the medium optimizers (an even and
-    an odd Adam step each side of the split at step 1) over the same 4 sequences, split among the ranks."""
+    an odd Adam step each side of the split at step 1) over the same 4 sequences, split among the ranks; extra flags
+    after the medium ones."""
     import os
     import torch.distributed as dist
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -676,7 +735,7 @@ def medium_ranks_worker(rank, world_size, port, out):
                          "--vocab_size=512", "--seq_len=256", "--batch_tokens=1024", "--batch_schedule=",
                          "--num_iterations=20", "--extension_steps=0", "--muon_momentum_cooldown_steps=0",
                          "--batch_sequences=0", "--skip_connections=0>1", "--tied_embed_steps=1",
-                         "--zero_init=false", "--dtype=fp32"],
+                         "--zero_init=false", "--dtype=fp32", *extra],
                         False)
     rt = T.Runtime(rank=rank, local_rank=rank, world_size=world_size, device=torch.device("cpu"),
                    dtype=torch.float32, attention="banded", fp8_head=False, compile="off")
@@ -706,20 +765,23 @@ def medium_ranks_worker(rank, world_size, port, out):
         dist.destroy_process_group()
 
 
-def test_a_medium_step_is_the_same_on_1_2_and_4_ranks(tmp_path):
+@pytest.mark.parametrize("extra, world_sizes", [((), (1, 2, 4)), (tuple(HEAD_PAIRS), (1, 2))],
+                         ids=["medium", "head_pairs"])
+def test_a_medium_step_is_the_same_on_1_2_and_4_ranks(tmp_path, extra, world_sizes):
     """The medium flags (gates in Muon, odd-step record Adam with bf16 moments, the tie and its handover) in fp32:
-    the same weights after four steps on 1, 2 and 4 ranks (gloo), up to the order of the sums."""
+    the same weights after four steps on 1, 2 and 4 ranks (gloo), up to the order of the sums. head_pairs: record
+    #89's Muon groups (two pairs per Q and K, NorMuon per group) on 1 and 2 ranks."""
     import socket
     import torch.multiprocessing as mp
     got = {}
-    for world_size in (1, 2, 4):
+    for world_size in world_sizes:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         out = tmp_path / f"w{world_size}.pt"
-        mp.spawn(medium_ranks_worker, args=(world_size, port, str(out)), nprocs=world_size)
+        mp.spawn(medium_ranks_worker, args=(world_size, port, str(out), extra), nprocs=world_size)
         got[world_size] = torch.load(out)
-    for world_size in (2, 4):
+    for world_size in world_sizes[1:]:
         for n, p in got[1].items():
             if "embed" in n:  # bf16 moments round the sums' last bits apart, and the tables' lr 0.6 magnifies
                 # that where a gradient nearly cancels: a few entries in 10^4 move; a lost or doubled step or
