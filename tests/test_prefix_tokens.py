@@ -81,3 +81,23 @@ def test_the_trainers_table_covers_its_vocabulary_and_drops_ids_past_it():
     assert small.max() < 1000 and (small[small >= 0] == full[:1000][small >= 0]).all()
     assert (small[full[:1000] >= 1000] == -1).all()
     assert T.prefix_token_table(50400)[50304:].eq(-1).all()
+
+
+@pytest.mark.parametrize("preset", ["speedrun", "cpu"])
+def test_the_record_recipe_sets_the_records_loss(preset):
+    """--recipe=record: T:1980-1988 (MTP 3 and the prefix weight by stage), T:2360 (summed), K:1004-1008 (bf16),
+    23 sigmoid((z + 5) / 7.5) (K:1210), MTP targets across documents (K:1073-1079)."""
+    args = T.parse_args([f"--preset={preset}", "--recipe=record"], preset == "speedrun")
+    assert (args.mtp_tokens, args.prefix_loss_weight, args.loss_weights_by_stage, args.loss_sum) == (3, 0.25, True, True)
+    assert (args.bf16_train_logits, args.logit_softcap, args.logit_offset, args.cross_document_shifts) == \
+        (True, 23.0, 5.0, True)
+
+
+@needs_table
+def test_a_run_trains_with_the_prefix_token_loss(tmp_path):
+    from conftest import TINY, run_main
+    result = run_main(TINY + ["--prefix_loss_weight=0.25", "--loss_weights_by_stage=true", "--mtp_tokens=3",
+                              "--loss_sum=true", "--batch_schedule=1/3,2/3,1", "--batch_tokens=1536",
+                              "--num_iterations=6"], tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "step:6/6 val_loss:" in result.stdout
