@@ -74,8 +74,6 @@ from runlog import (ENERGY_PHASES, Clock, EnergyMeter, Metrics, RecompileWatch, 
                     peak_tflops, progress_bar, progress_line, recorded_validations, report_card, run_curve,
                     sources_sha256, target_among, trainer_sources, write_header, write_report, write_summary)
 
-from data.prefix_tokens import load_prefix_table
-
 REPO_DIR = Path(__file__).resolve().parent
 EOT_TOKEN = 50256  # <|endoftext|>: every document starts with it
 BLOCK_SIZE = 128  # attention mask granularity and window unit, in tokens
@@ -1524,13 +1522,35 @@ def multi_token_targets(targets: Tensor, n: int, across_documents: bool = False)
     return torch.stack(columns, dim=1)
 
 
+PREFIX_TABLE = REPO_DIR / "data" / "gpt2_prefix_tokens.npy"  # its one writer: python -m data.prefix_tokens
+PREFIX_TABLE_ROWS = 50304  # every id of the head's padded vocabulary
+MERGEABLE_TOKENS = 50256  # GPT-2's BPE tokens: no prefix token is EOT (50256) or past it
+
+
+def load_prefix_table(path: Path = PREFIX_TABLE) -> np.ndarray:
+    """The committed prefix-token table (int32, one entry per padded-vocabulary id), checked: a missing or damaged
+    file is one line naming the command that rebuilds it."""
+    remedy = "rebuild it with python -m data.prefix_tokens"
+    try:
+        table = np.load(path, allow_pickle=False)
+    except FileNotFoundError:
+        raise UsageError(f"--prefix_loss_weight reads the prefix-token table {path}, which is missing; "
+                         f"{remedy}") from None
+    except (OSError, ValueError, EOFError) as e:
+        raise UsageError(f"the prefix-token table {path} is not a .npy file ({type(e).__name__}); {remedy}") from None
+    if table.shape != (PREFIX_TABLE_ROWS,) or table.dtype != np.int32:
+        raise UsageError(f"the prefix-token table {path} holds {table.dtype} {table.shape}, not int32 "
+                         f"({PREFIX_TABLE_ROWS},); {remedy}")
+    if table.min() < -1 or table.max() >= MERGEABLE_TOKENS or (table == np.arange(PREFIX_TABLE_ROWS)).any():
+        raise UsageError(f"the prefix-token table {path} holds ids outside -1 .. {MERGEABLE_TOKENS - 1} or a token "
+                         f"as its own prefix; {remedy}")
+    return table
+
+
 def prefix_token_table(vocab_size: int) -> Tensor:
     """record #89 (T:1175-1198, T:2317): each token id's longest proper-prefix token, -1 for none, from the committed
-    data/gpt2_prefix_tokens.npy (the trainer has no tokenizer); ids past vocab_size count as none (K:1069)."""
-    try:
-        committed = torch.from_numpy(load_prefix_table().astype(np.int64))
-    except ValueError as e:
-        raise UsageError(f"--prefix_loss_weight needs {e}") from None
+    table (the trainer has no tokenizer); ids past vocab_size count as none (K:1069)."""
+    committed = torch.from_numpy(load_prefix_table().astype(np.int64))
     table = torch.full((vocab_size,), -1, dtype=torch.int64)
     rows = min(vocab_size, len(committed))
     table[:rows] = committed[:rows]

@@ -9,7 +9,8 @@ build_prefix_table). The 256 single bytes, <|endoftext|> (50256) and the head's 
 304 entries -1, 50,000 valid; "The" -> "Th", " the" -> " th", " gazed" -> " gaze".
 
 The vocabulary is tiktoken's file format (one "base64(bytes) rank" per line), read here without tiktoken, so the
-trainer (which must run offline, with numpy and no tokenizer) only loads the committed .npy (load_prefix_table).
+trainer (which must run offline, with numpy and no tokenizer) only loads the committed .npy (its one reader:
+train_gpt.load_prefix_table).
 No torch.
 """
 
@@ -23,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 HERE = Path(__file__).resolve().parent
-TABLE_PATH = HERE / "gpt2_prefix_tokens.npy"  # the committed table: int32, TABLE_ROWS entries
+TABLE_PATH = HERE / "gpt2_prefix_tokens.npy"  # the committed table: int32, TABLE_ROWS entries (train_gpt.PREFIX_TABLE)
 DEFAULT_VOCAB = HERE.parent.parent / "shared" / "data" / "gpt2" / "gpt2.tiktoken"
 TABLE_ROWS = 50304  # the head's padded vocabulary (50257 rounded up to a multiple of 128)
 MERGEABLE_TOKENS = 50256  # GPT-2's byte-level BPE tokens; 50256 is <|endoftext|>, a special token
@@ -50,24 +51,6 @@ def build_prefix_table(ranks: dict[bytes, int], rows: int = TABLE_ROWS) -> np.nd
         if ancestors:
             table[rank] = ancestors[-1][1]
         ancestors.append((token, rank))
-    return table
-
-
-def load_prefix_table(path: Path = TABLE_PATH) -> np.ndarray:
-    """The committed table, checked; a missing or damaged file raises ValueError with one line saying so."""
-    remedy = "rebuild it with python -m data.prefix_tokens"
-    try:
-        table = np.load(path, allow_pickle=False)
-    except FileNotFoundError:
-        raise ValueError(f"the prefix-token table {path} is missing; {remedy}") from None
-    except (OSError, ValueError, EOFError) as e:
-        raise ValueError(f"the prefix-token table {path} is not a .npy file ({e}); {remedy}") from None
-    if table.shape != (TABLE_ROWS,) or table.dtype != np.int32:
-        raise ValueError(f"the prefix-token table {path} holds {table.dtype} {table.shape}, not int32 "
-                         f"({TABLE_ROWS},); {remedy}")
-    if table.min() < -1 or table.max() >= MERGEABLE_TOKENS or (table == np.arange(TABLE_ROWS)).any():
-        raise ValueError(f"the prefix-token table {path} holds ids outside -1 .. {MERGEABLE_TOKENS - 1} or a token "
-                         f"as its own prefix; {remedy}")
     return table
 
 

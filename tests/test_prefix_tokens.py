@@ -1,5 +1,6 @@
-"""Record #89's prefix-token table (data/prefix_tokens.py): the committed file against a fresh build from GPT-2's
-vocabulary in shared/, its counts and examples, and one-line errors for a missing or damaged file."""
+"""Record #89's prefix-token table: its writer (data/prefix_tokens.py) and the trainer's reader (load_prefix_table):
+the committed file against a fresh build from GPT-2's vocabulary in shared/, its counts and examples, and one-line
+errors for a missing or damaged file."""
 
 import numpy as np
 import pytest
@@ -10,7 +11,7 @@ from data import prefix_tokens as P
 
 VOCAB = REPO.parent / "shared" / "data" / "gpt2" / "gpt2.tiktoken"
 needs_vocab = pytest.mark.skipif(not VOCAB.is_file(), reason=f"GPT-2's vocabulary not found at {VOCAB}")
-needs_table = pytest.mark.skipif(not P.TABLE_PATH.is_file(), reason=f"the committed table {P.TABLE_PATH} is absent")
+needs_table = pytest.mark.skipif(not T.PREFIX_TABLE.is_file(), reason=f"the committed table {T.PREFIX_TABLE} is absent")
 
 
 @pytest.fixture(scope="module")
@@ -26,7 +27,7 @@ def longest_proper_prefix(token: bytes, ranks: dict[bytes, int]) -> int:
 @needs_vocab
 @needs_table
 def test_the_committed_table_is_a_fresh_build_from_the_vocabulary(ranks):
-    assert np.array_equal(P.load_prefix_table(), P.build_prefix_table(ranks))
+    assert np.array_equal(T.load_prefix_table(), P.build_prefix_table(ranks))
 
 
 @needs_vocab
@@ -45,13 +46,13 @@ def test_the_table_holds_each_tokens_longest_proper_prefix_token(ranks):
 def test_the_generator_writes_what_the_loader_reads(tmp_path, ranks, capsys):
     out = tmp_path / "t.npy"
     assert P.main(["--vocab", str(VOCAB), "--output", str(out)]) == 0
-    assert np.array_equal(P.load_prefix_table(out), P.build_prefix_table(ranks))
+    assert np.array_equal(T.load_prefix_table(out), P.build_prefix_table(ranks))
     assert P.main(["--vocab", str(tmp_path / "none"), "--output", str(out)]) == 2
     assert capsys.readouterr().err.count("\n") == 1
 
 
 @pytest.mark.parametrize("content, message", [
-    (None, "is missing; rebuild it with python -m data.prefix_tokens"),
+    (None, "which is missing; rebuild it with python -m data.prefix_tokens"),
     (b"not a numpy file", "is not a .npy file"),
     (np.zeros(10, dtype=np.int32), "holds int32 (10,), not int32 (50304,)"),
     (np.arange(50304, dtype=np.int32), "or a token as its own prefix"),
@@ -62,21 +63,25 @@ def test_a_missing_or_damaged_table_is_one_line_naming_the_fix(tmp_path, content
         path.write_bytes(content)
     elif content is not None:
         np.save(path, content)
-    with pytest.raises(ValueError) as e:
-        P.load_prefix_table(path)
+    with pytest.raises(T.UsageError) as e:
+        T.load_prefix_table(path)
     assert message in str(e.value) and "\n" not in str(e.value)
 
 
-def test_the_trainer_refuses_a_missing_table_in_one_line(monkeypatch, tmp_path):
-    monkeypatch.setattr(T, "load_prefix_table", lambda: P.load_prefix_table(tmp_path / "none.npy"))
-    with pytest.raises(T.UsageError, match="^--prefix_loss_weight needs the prefix-token table .* is missing"):
-        T.prefix_token_table(50257)
+def test_a_run_without_the_table_ends_in_one_line(monkeypatch, tmp_path):
+    from conftest import TINY, run_main
+    monkeypatch.setattr(T, "PREFIX_TABLE", tmp_path / "none.npy")
+    monkeypatch.setattr(T.load_prefix_table, "__defaults__", (tmp_path / "none.npy",))
+    result = run_main(TINY + ["--prefix_loss_weight=0.25", "--loss_weights_by_stage=true"], tmp_path)
+    assert result.returncode == T.EXIT_USAGE
+    assert result.stderr.count("\n") == 1 and result.stderr.strip().endswith(
+        "none.npy, which is missing; rebuild it with python -m data.prefix_tokens")
 
 
 @needs_table
 def test_the_trainers_table_covers_its_vocabulary_and_drops_ids_past_it():
     full = T.prefix_token_table(50257)
-    assert full.shape == (50257,) and full.tolist() == P.load_prefix_table()[:50257].tolist()
+    assert full.shape == (50257,) and full.tolist() == T.load_prefix_table()[:50257].tolist()
     small = T.prefix_token_table(1000)
     assert small.max() < 1000 and (small[small >= 0] == full[:1000][small >= 0]).all()
     assert (small[full[:1000] >= 1000] == -1).all()
