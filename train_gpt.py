@@ -3338,10 +3338,10 @@ RECORD_VALUES: dict[str, dict[str, object]] = {
         # the loss: prefix tokens (T:1175-1198, K:1066-1168)
         mtp_tokens=3, loss_weights_by_stage=True,  # T:1980-1988: MTP weights (1, .5, .25) by batch stage
         prefix_loss_weight=0.25,  # T:1981-1983: 0.25 in stage 0, 0.25(1-t) in stage 1, 0 after; T:2317 the table
-        loss_sum=True,  # T:2360: model(...).sum(), the rank's summed per-token losses (K:1091 losses[row])
-        bf16_train_logits=True,  # K:1004-1008: the softcap's sigmoid rounded to bf16 before every use
-        logit_softcap=23.0, logit_offset=5.0,  # T:1689, K:1210 (A=23, B=5, C=7.5): 23 sigmoid((logits + 5) / 7.5)
-        cross_document_shifts=True,  # K:1073-1079 MTP targets cut only at the sequence's end; T:1548 smear likewise
+        loss_sum=True,  # T:2360: model(...).sum(), the rank's summed per-token losses (K:1089 losses[row])
+        bf16_train_logits=True,  # K:1003-1005: the softcap's sigmoid rounded to bf16 before every use
+        logit_softcap=23.0, logit_offset=5.0,  # T:1690, K:1210 (A=23, B=5, C=7.5): 23 sigmoid((logits + 5) / 7.5)
+        cross_document_shifts=True,  # K:1073-1079 MTP targets cut at the sequence's end only; smear T:1548, keys T:1113
         # the FP8 MLP (T:1403-1434, K:443-713)
         # schedules, optimizers and data (T:1886-2110)
     ),
@@ -3349,7 +3349,8 @@ RECORD_VALUES: dict[str, dict[str, object]] = {
         # the layout and the residual stream
         # attention's additions: XSA and DC
         # the loss: prefix tokens
-        # the record's loss as on speedrun (the same lines); its stages are the cpu batch schedule's thirds
+        # the record's loss as on speedrun (the same lines): its weights decay over the batch stages, whatever their
+        # length, so the 60 steps keep them (three stages of 20 steps under a 3-stage batch schedule)
         mtp_tokens=3, loss_weights_by_stage=True, prefix_loss_weight=0.25, loss_sum=True, bf16_train_logits=True,
         logit_softcap=23.0, logit_offset=5.0, cross_document_shifts=True,
         # the FP8 MLP

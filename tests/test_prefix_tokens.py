@@ -90,7 +90,7 @@ def test_the_trainers_table_covers_its_vocabulary_and_drops_ids_past_it():
 
 @pytest.mark.parametrize("preset", ["speedrun", "cpu"])
 def test_the_record_recipe_sets_the_records_loss(preset):
-    """--recipe=record: T:1980-1988 (MTP 3 and the prefix weight by stage), T:2360 (summed), K:1004-1008 (bf16),
+    """--recipe=record: T:1980-1988 (MTP 3 and the prefix weight by stage), T:2360 (summed), K:1003-1005 (bf16),
     23 sigmoid((z + 5) / 7.5) (K:1210), MTP targets across documents (K:1073-1079)."""
     args = T.parse_args([f"--preset={preset}", "--recipe=record"], preset == "speedrun")
     assert (args.mtp_tokens, args.prefix_loss_weight, args.loss_weights_by_stage, args.loss_sum) == (3, 0.25, True, True)
