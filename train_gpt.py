@@ -212,6 +212,11 @@ class Hyperparameters:
                               "after the next; 1: off")
     mtp_frac: float = flag(1.0, "same record: the fraction of training its phases take (track 2, "
                                 "2025-12-31_BulkSmallTrackTransfer: 0.25), next-token only after it")
+    prefix_loss_weight: float = flag(0.0, "record #89, T:1957, T:1981-1983, K:1066-1090: the training loss adds this "
+                                          "weight times the cross-entropy of the next token's longest prefix token "
+                                          "(data/prefix_tokens.py), decaying by --loss_weights_by_stage; 0: off")
+    loss_weights_by_stage: bool = flag(False, "record #89, T:1950-1958, T:1980-1988: the MTP (and prefix) weights "
+                                              "follow the batch stages (k, fraction t), not equal phases of mtp_frac")
     muon: bool = flag(True, "R: Muon for hidden matrices; False: Adam for them too (ablation)", group="optimizers")
     muon_lr: float = flag(0.05, "R")
     muon_momentum: float = flag(0.95, "R: Nesterov momentum, warmed up from muon_momentum_start ...")
@@ -1321,6 +1326,8 @@ class GPT(nn.Module):
         self.backend = attention_backend(attention, compile_attention)
         self.vocab_size, self.unet = cfg.vocab_size, cfg.unet_skips
         self.softcap = Softcap(cfg.logit_softcap, cfg.logit_temperature, cfg.logit_offset)
+        self.register_buffer("prefix_table", prefix_token_table(cfg.vocab_size) if loss.prefix_tokens else None,
+                             persistent=False)  # record #89 (T:1221): each token's prefix token, -1 for none
         rows = next_multiple(cfg.vocab_size, 128) if cfg.pad_embed_tables else cfg.vocab_size  # M L1046: the head's
         self.embed = nn.Embedding(rows, cfg.model_dim)
         self.value_embeds = nn.ModuleList(nn.Embedding(rows, cfg.model_dim) for _ in range(self.roles.n_value_embeds))
@@ -1353,13 +1360,14 @@ class GPT(nn.Module):
     def forward(self, tokens: Tensor, targets: Tensor, windows: Tensor, mtp_weights: Tensor | None = None) -> Tensor:
         """Mean cross-entropy of one flat sequence (T,) of documents. windows: the (long, short) window
         sizes in blocks, a (2,) tensor from the schedule (attention_windows). mtp_weights (training only):
-        the weights of the next 1, 2, ... tokens' losses (mtp_loss_weights); none: the next token's alone."""
+        the weights of the next 1, 2, ... tokens' losses (mtp_loss_weights), then with a prefix table (LossPath's
+        prefix_tokens) the prefix token's (stage_loss_weights); none: the next token's alone."""
         if tokens.numel() % BLOCK_SIZE:
             raise UsageError(f"sequence length {tokens.numel()} is not a multiple of the {BLOCK_SIZE}-token block")
         if not torch.compiler.is_compiling():
             check_model_inputs(tokens, targets, windows, self.vocab_size)
         if mtp_weights is not None:
-            targets = multi_token_targets(targets, mtp_weights.numel(), self.config.cross_document_shifts)
+            targets = self.loss_targets(targets, mtp_weights.numel())
         # M's training form (bf16 logits, summed) in training mode; validation (eval) takes the fp32 mean
         form = LossForm(self.config.bf16_train_logits, self.config.loss_sum) if self.training else LossForm()
         # Validation (eval, no grad) too: its 262K-token sequence would otherwise hold 26 GB of bf16 logits.
@@ -1369,6 +1377,14 @@ class GPT(nn.Module):
         if mtp_weights is not None:
             return multi_token_cross_entropy(self.logits(tokens, windows), targets, mtp_weights, self.softcap, form)
         return self.loss.full(self.logits(tokens, windows), targets, self.softcap, form)
+
+    def loss_targets(self, targets: Tensor, n_weights: int) -> Tensor:
+        """(T,) next-token targets -> (T, n_weights) columns: the next tokens (multi_token_targets), then with a
+        prefix table the next token's prefix token (record #89, T:1686), scored by the same logits."""
+        if self.prefix_table is None:
+            return multi_token_targets(targets, n_weights, self.config.cross_document_shifts)
+        columns = multi_token_targets(targets, n_weights - 1, self.config.cross_document_shifts)
+        return torch.cat([columns, prefix_targets(targets, self.prefix_table)[:, None]], dim=1)
 
     def logits(self, tokens: Tensor, windows: Tensor) -> Tensor:
         """Head outputs (1, T, padded vocab) before the softcap: the forward pass without the loss."""
@@ -1607,6 +1623,47 @@ def multi_token_targets(targets: Tensor, n: int, across_documents: bool = False)
     return torch.stack(columns, dim=1)
 
 
+PREFIX_TABLE = REPO_DIR / "data" / "gpt2_prefix_tokens.npy"  # its one writer: python -m data.prefix_tokens
+PREFIX_TABLE_ROWS = 50304  # every id of the head's padded vocabulary
+MERGEABLE_TOKENS = 50256  # GPT-2's BPE tokens: no prefix token is EOT (50256) or past it
+
+
+def load_prefix_table(path: Path = PREFIX_TABLE) -> np.ndarray:
+    """The committed prefix-token table (int32, one entry per padded-vocabulary id), checked: a missing or damaged
+    file is one line naming the command that rebuilds it."""
+    remedy = "rebuild it with python -m data.prefix_tokens"
+    try:
+        table = np.load(path, allow_pickle=False)
+    except FileNotFoundError:
+        raise UsageError(f"--prefix_loss_weight reads the prefix-token table {path}, which is missing; "
+                         f"{remedy}") from None
+    except (OSError, ValueError, EOFError) as e:
+        raise UsageError(f"the prefix-token table {path} is not a .npy file ({type(e).__name__}); {remedy}") from None
+    if table.shape != (PREFIX_TABLE_ROWS,) or table.dtype != np.int32:
+        raise UsageError(f"the prefix-token table {path} holds {table.dtype} {table.shape}, not int32 "
+                         f"({PREFIX_TABLE_ROWS},); {remedy}")
+    if table.min() < -1 or table.max() >= MERGEABLE_TOKENS or (table == np.arange(PREFIX_TABLE_ROWS)).any():
+        raise UsageError(f"the prefix-token table {path} holds ids outside -1 .. {MERGEABLE_TOKENS - 1} or a token "
+                         f"as its own prefix; {remedy}")
+    return table
+
+
+def prefix_token_table(vocab_size: int) -> Tensor:
+    """record #89 (T:1175-1198, T:2317): each token id's longest proper-prefix token, -1 for none, from the committed
+    table (the trainer has no tokenizer); ids past vocab_size count as none (K:1069)."""
+    committed = torch.from_numpy(load_prefix_table().astype(np.int64))
+    table = torch.full((vocab_size,), -1, dtype=torch.int64)
+    rows = min(vocab_size, len(committed))
+    table[:rows] = committed[:rows]
+    return torch.where(table < vocab_size, table, -1)
+
+
+def prefix_targets(targets: Tensor, table: Tensor) -> Tensor:
+    """The prefix token of each next-token target (K:1066-1069), -100 (ignored) where it has none."""
+    prefix = table[targets.clamp_min(0)]
+    return torch.where((targets >= 0) & (prefix >= 0), prefix, -100)
+
+
 def multi_token_cross_entropy(logits: Tensor, targets: Tensor, weights: Tensor, softcap: Softcap,
                               form: LossForm = LossForm()) -> Tensor:
     """2025-12-22_MultiTokenPrediction: sum_k weights[k] * (mean cross-entropy of column k of targets), every
@@ -1729,11 +1786,12 @@ class LossPath:
     full: typing.Callable = softcapped_cross_entropy
     chunk: typing.Callable = softcapped_cross_entropy_chunk
     chunked: bool = False
+    prefix_tokens: bool = False  # --prefix_loss_weight: the model holds the prefix table; its weight comes last
 
     @staticmethod
-    def compiled(chunked: bool) -> "LossPath":
+    def compiled(chunked: bool, prefix_tokens: bool = False) -> "LossPath":
         return LossPath(torch.compile(softcapped_cross_entropy, dynamic=False),
-                        torch.compile(softcapped_cross_entropy_chunk, dynamic=False), chunked)
+                        torch.compile(softcapped_cross_entropy_chunk, dynamic=False), chunked, prefix_tokens)
 
 
 def check_model_inputs(tokens: Tensor, targets: Tensor, windows: Tensor, vocab_size: int) -> None:
@@ -1757,7 +1815,9 @@ def check_model_inputs(tokens: Tensor, targets: Tensor, windows: Tensor, vocab_s
 
 def build_model(args: Hyperparameters, rt: Runtime) -> GPT:
     """The model on its device: embeddings in the activation dtype, matrices and scalars in fp32."""
-    loss = LossPath.compiled(rt.chunked_loss) if rt.compile == "loss" else LossPath(chunked=rt.chunked_loss)
+    prefix = args.prefix_loss_weight > 0
+    loss = (LossPath.compiled(rt.chunked_loss, prefix) if rt.compile == "loss"
+            else LossPath(chunked=rt.chunked_loss, prefix_tokens=prefix))
     fp8_kernels = ("inductor" if rt.compile_fp8 else "eager") if rt.fp8_head else None
     model = GPT(ModelConfig.of(args), attention=rt.attention, compile_attention=rt.compile_attention,
                 fp8_kernels=fp8_kernels, loss=loss).to(rt.device)
@@ -2701,6 +2761,36 @@ def mtp_loss_weights(step: int, num_iterations: int, n_tokens: int, frac: float 
     return weights
 
 
+def stage_loss_weights(step: int, batches: BatchSchedule, n_tokens: int, prefix_weight: float = 0.0) -> list[float]:
+    """record #89 (T:1950-1958, T:1980-1988): the loss weights by the step's batch stage k and the fraction t of it
+    done, t = (step - e_k) / (e_{k+1} - e_k): stage k predicts the next n_tokens - k tokens, weights 1, 0.5, ...,
+    the last decaying to 0 over the stage (for 3: [1, .5, .25(1-t)] -> [1, .5(1-t)] -> [1]); then a prefix weight
+    w holds w in stage 0, w(1-t) in stage 1, 0 after. Always n_tokens weights (zeros at the end), then the prefix
+    weight where there is one, so the shapes a compiled model sees never change."""
+    stage, n_stages = batches.stage(step), len(batches.stage_tokens)
+    start = batches.first_step(stage)
+    end = batches.first_step(stage + 1) if stage + 1 < n_stages else batches.scheduled_steps
+    t = min((step - start) / max(end - start, 1), 1.0)  # T:1966: t = 1 past the last stage
+    live = max(n_tokens - stage, 1)
+    weights = [MTP_WEIGHT_RATIO ** k for k in range(live)] + [0.0] * (n_tokens - live)
+    if live > 1:
+        weights[live - 1] *= 1 - t
+    if prefix_weight:
+        weights.append(prefix_weight * (1.0 if stage == 0 else 1 - t if stage == 1 else 0.0))
+    return weights
+
+
+def loss_weights_settle(args: Hyperparameters, batches: BatchSchedule | None) -> int:
+    """The first step from which the per-step loss weights no longer change: the end of the MTP phases (mtp_frac),
+    or by stage the first step of the stage after the last that decays (the prefix weight's: stage 1)."""
+    if not args.loss_weights_by_stage:
+        return min(args.num_iterations, math.ceil(scheduled_steps(args) * args.mtp_frac))
+    settled = max(args.mtp_tokens - 1, 2 if args.prefix_loss_weight else 0)
+    if settled < len(batches.stage_tokens):
+        return min(args.num_iterations, batches.first_step(settled))
+    return args.num_iterations
+
+
 MTP_TABLE_ROWS = 65536  # MTP weight rows on the device at once: a longer run refills them once per this many steps
 
 
@@ -2709,14 +2799,17 @@ class StepTensors:
     never copies from the host (a copy from pageable memory waits for the device to drain). Nothing here walks
     every step: the windows come from the schedule's stages, the MTP weights a block of steps at a time."""
 
-    def __init__(self, args: Hyperparameters, device: torch.device):
+    def __init__(self, args: Hyperparameters, device: torch.device, batches: BatchSchedule | None = None):
         self.args, self.device = args, device
+        if batches is None and args.loss_weights_by_stage:
+            batches = batch_schedule(args, 1)  # the stages' steps do not depend on the world size
+        self.batches = batches
         self.window_tensors = {pair: torch.tensor(pair, dtype=torch.int64, device=device)
                                for pair in window_pairs(args) or ()}
         # after the MTP phase every step has the same weights (the next token alone): the table ends there
-        self.mtp_last = min(args.num_iterations, math.ceil(scheduled_steps(args) * args.mtp_frac))
+        self.mtp_last = loss_weights_settle(args, self.batches)
         self.mtp_table, self.mtp_first = None, 0
-        if args.mtp_tokens > 1:
+        if args.mtp_tokens > 1 or args.prefix_loss_weight > 0:
             self.mtp_rows(0)
 
     def windows(self, step: int) -> Tensor:
@@ -2729,13 +2822,19 @@ class StepTensors:
     def mtp_rows(self, first: int) -> None:
         """The MTP weights of steps first .. first + MTP_TABLE_ROWS - 1 (at most to the end of the phase)."""
         steps = range(first, min(first + MTP_TABLE_ROWS, self.mtp_last + 1))
-        a = self.args
-        self.mtp_table = torch.tensor([mtp_loss_weights(s, scheduled_steps(a), a.mtp_tokens, a.mtp_frac)
-                                       for s in steps], device=self.device)
+        self.mtp_table = torch.tensor([self.loss_weights(s) for s in steps], device=self.device)
         self.mtp_first = first
 
+    def loss_weights(self, step: int) -> list[float]:
+        """The step's MTP weights (then the prefix weight): by batch stage or in equal phases of mtp_frac."""
+        a = self.args
+        if a.loss_weights_by_stage:
+            return stage_loss_weights(step, self.batches, a.mtp_tokens, a.prefix_loss_weight)
+        return mtp_loss_weights(step, scheduled_steps(a), a.mtp_tokens, a.mtp_frac)
+
     def mtp_weights(self, step: int) -> list[Tensor]:
-        """The model's optional loss-weights input: [the step's row] under --mtp_tokens > 1, else []."""
+        """The model's optional loss-weights input: [the step's row] under --mtp_tokens > 1 or a prefix weight,
+        else []."""
         if self.mtp_table is None:
             return []
         step = min(step, self.mtp_last)
@@ -3284,6 +3383,22 @@ TECHNIQUES: tuple[Technique, ...] = (
                                     f"sequence holds; pass at most {a.seq_len} (the records use 3)"),),
         only_when=(only_if(("mtp_frac",), lambda a: a.mtp_tokens > 1, "--mtp_tokens=2 or more",
                            lambda a: "--mtp_tokens=1 (the next-token loss alone)"),)),
+    Technique(
+        "prefix_tokens", ("2026-07-13_PrefixTokenPrediction",), "loss", {"prefix_loss_weight": number(0.0)},
+        {}, left_out={preset: "a record #89 technique (--recipe=record)" for preset in PRESETS},
+        refusals=(Refusal(lambda a: a.prefix_loss_weight > 0 and not a.loss_weights_by_stage,
+                          lambda a: f"--prefix_loss_weight={a.prefix_loss_weight:g} decays by the batch stages "
+                                    "(record #89, T:1981-1983); pass --loss_weights_by_stage=true"),)),
+    Technique(
+        "stage_loss_weights", ("2025-12-22_MultiTokenPrediction", "2026-07-13_PrefixTokenPrediction"), "schedule",
+        {"loss_weights_by_stage": ANY_BOOL},
+        {}, left_out={preset: "a record #89 technique (--recipe=record)" for preset in PRESETS},
+        refusals=(Refusal(lambda a: a.loss_weights_by_stage and a.mtp_frac != 1,
+                          lambda a: f"--mtp_frac={a.mtp_frac:g} sets equal MTP phases, which --loss_weights_by_stage"
+                                    "=true replaces by the batch stages; drop one of them"),),
+        only_when=(only_if(("loss_weights_by_stage",), lambda a: a.mtp_tokens > 1 or a.prefix_loss_weight > 0,
+                           "--mtp_tokens=2 or more or a --prefix_loss_weight",
+                           lambda a: "--mtp_tokens=1 and no prefix loss (the next-token loss alone)"),)),
     # Track 2's own layout and windows (records/track_2_medium/): the medium preset's record recipe sets them; the
     # short track's records keep the 2025-01-26 layout, so recipe v2 leaves them out there.
     Technique(
@@ -3456,6 +3571,12 @@ RECORD_VALUES: dict[str, dict[str, object]] = {
         # attention's additions: XSA and DC (T:1072-1161)
         muon_qk_head_pairs=True,  # T:1272-1279: Q and K orthogonalised as 3 + 3 (256 x 768) head-pair groups
         # the loss: prefix tokens (T:1175-1198, K:1066-1168)
+        mtp_tokens=3, loss_weights_by_stage=True,  # T:1980-1988: MTP weights (1, .5, .25) by batch stage
+        prefix_loss_weight=0.25,  # T:1981-1983: 0.25 in stage 0, 0.25(1-t) in stage 1, 0 after; T:2317 the table
+        loss_sum=True,  # T:2360: model(...).sum(), the rank's summed per-token losses (K:1089 losses[row])
+        bf16_train_logits=True,  # K:1003-1005: the softcap's sigmoid rounded to bf16 before every use
+        logit_softcap=23.0, logit_offset=5.0,  # T:1690, K:1210 (A=23, B=5, C=7.5): 23 sigmoid((logits + 5) / 7.5)
+        cross_document_shifts=True,  # K:1073-1079 MTP targets cut at the sequence's end only; smear T:1548, keys T:1113
         # the FP8 MLP (T:1403-1434, K:443-713)
         # schedules, optimizers and data (T:1886-2110)
         num_iterations=1285, extension_steps=15, val_every=250,  # T:1890-1891 (1270 + 15 steps), T:1898
@@ -3482,6 +3603,10 @@ RECORD_VALUES: dict[str, dict[str, object]] = {
         # attention's additions: XSA and DC
         muon_qk_head_pairs=True,  # T:1272-1279: per head pair, at the cpu width 2 + 2 (128 x 256) groups
         # the loss: prefix tokens
+        # the record's loss as on speedrun (the same lines): its weights decay over the batch stages, whatever their
+        # length, so the 60 steps keep them (three stages of 20 steps under a 3-stage batch schedule)
+        mtp_tokens=3, loss_weights_by_stage=True, prefix_loss_weight=0.25, loss_sum=True, bf16_train_logits=True,
+        logit_softcap=23.0, logit_offset=5.0, cross_document_shifts=True,
         # the FP8 MLP
         # schedules, optimizers and data: the speedrun's values and forms at 60 steps (never tuned): 59 scheduled +
         # 1 extension (15/1285 of 60 = 0.7), stage starts round(59k/3) = 20, 39, the tie split 39 | 1, momentum
@@ -3990,8 +4115,9 @@ def set_up(args: Hyperparameters, rt: Runtime, folder: RunFolder, log: RunLog, s
     checkpoints = Checkpoints(folder, args.checkpoint_keep, rt, log, record)
     metrics = Metrics(folder.metrics if rt.is_master else None,
                       folder.tensorboard if args.tensorboard and rt.is_master else None, say=log.write)
-    return Run(args, rt, log, batches, model, step_model, opt, stream, loader, StepTensors(args, rt.device), val_seqs,
-               hellaswag, checkpoints, EnergyMeter.open(rt), metrics, started, peak_tflops(device_name(rt)))
+    schedules = StepTensors(args, rt.device, batches)
+    return Run(args, rt, log, batches, model, step_model, opt, stream, loader, schedules, val_seqs, hellaswag,
+               checkpoints, EnergyMeter.open(rt), metrics, started, peak_tflops(device_name(rt)))
 
 
 def warm_up(run: Run) -> None:

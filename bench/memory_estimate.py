@@ -386,8 +386,7 @@ class Scenario:
         earlier ones are alive, and every later one is the same) and its optimizer step."""
         args, model = self.args, self.model
         windows = self.final_windows()
-        mtp = ([torch.tensor(T.mtp_loss_weights(0, args.num_iterations, args.mtp_tokens, args.mtp_frac))]
-               if args.mtp_tokens > 1 else [])
+        mtp = T.StepTensors(args, torch.device("cpu")).mtp_weights(0)  # MTP (and prefix-token) weights, as training
         model.train()
         for i in range(min(accum, 2)):
             with meter.phase("inputs"):

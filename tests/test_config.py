@@ -125,6 +125,7 @@ BAD_VALUES = {  # field: (a value just inside the valid range, values outside it
     "backout": ("true", ["x"]), "key_offset": ("true", ["x"]), "paired_heads": ("true", ["x"]),
     "logit_offset": ("-5", ["nan", "inf"]), "logit_temperature": ("0.5", ["0", "nan"]), "mtp_tokens": ("1", ["0"]),
     "mtp_frac": ("1", ["0", "1.5", "nan"]),
+    "prefix_loss_weight": ("0", ["-1", "nan", "inf"]), "loss_weights_by_stage": ("false", ["x"]),
     # track 2's techniques (the medium preset)
     "value_embed_tables": ("1", ["0", "-3"]), "attention_free_layer": ("false", ["x"]), "short_window_cap": ("0", ["-1"]),
     "window_stages": ("3,7", ["0", "3,x", "-1,2"]), "extension_steps": ("10", ["-1", "x"]),
@@ -231,7 +232,7 @@ UNUSED = {
     "batch_lr_exponent": ["--batch_lr_exponent=0.5"], "normuon_beta2": ["--normuon_beta2=0.9"],
     "muon_cautious_wd": ["--cautious_wd=false", "--muon_cautious_wd=5"],
     "adam_cautious_wd": ["--adam_cautious_wd=0.1"], "bigram_dim": ["--bigram_dim=32"],
-    "mtp_frac": ["--mtp_frac=0.5"], "value_embed_tables": ["--value_embeds=false", "--value_embed_tables=5"],
+    "mtp_frac": ["--mtp_frac=0.5"], "loss_weights_by_stage": ["--loss_weights_by_stage=true"], "value_embed_tables": ["--value_embeds=false", "--value_embed_tables=5"],
     "short_window_cap": ["--sliding_window=false", "--short_window_cap=4"],
     "stage_lr_shares": ["--stage_lr_shares=0.5,1"], "yarn_max_window": ["--yarn_max_window=13"],
     "muon_momentum_cooldown_steps": ["--muon=false", "--muon_momentum_cooldown_steps=5"],
@@ -299,6 +300,11 @@ def test_a_resumed_run_judges_unused_flags_on_its_checkpoint_s_values():
 @pytest.mark.parametrize("argv, message", [
     (["--mtp_tokens=300", "--seq_len=256", "--batch_tokens=512"],
      "--mtp_tokens=300 predicts more tokens than a --seq_len=256 sequence holds; pass at most 256"),
+    (["--prefix_loss_weight=0.25"],
+     "--prefix_loss_weight=0.25 decays by the batch stages (record #89, T:1981-1983); pass "
+     "--loss_weights_by_stage=true"),
+    (["--mtp_tokens=3", "--mtp_frac=0.5", "--loss_weights_by_stage=true"],
+     "--mtp_frac=0.5 sets equal MTP phases, which --loss_weights_by_stage=true replaces by the batch stages"),
     (["--preset=medium", "--num_iterations=11", "--batch_schedule=", "--extension_steps=0",
       "--tied_embed_steps=0"],
      "--window_stages has 12 stages but --num_iterations=11 has fewer steps"),

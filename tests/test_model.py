@@ -876,3 +876,65 @@ def test_the_default_skips_are_the_mirrored_u_net_with_linear_weights():
     model = T.GPT(T.ModelConfig.of(small_args("--n_layer=6")))
     assert model.skips == ((2, 3), (1, 4), (0, 5)) and model.skip_weights.tolist() == [1.0] * 3
     assert model.skip_lambdas is None and model.embed2 is None and model.embed.weight.shape[0] == 50257
+
+
+# ----------------------------------------------------------------------------- record #89's prefix-token loss
+
+def prefix_loss_reference(h, weight, targets, weights, prefix_weight, table, cap=23.0, offset=5.0, temp=7.5):
+    """K:1066-1090 and §4.4, token by token in fp64: sum_t [sum_{k: t+k < T} w_k (lse_t - z[y_{t+k}]) +
+    [pi(y_t) >= 0] w_p (lse_t - z[pi(y_t)])], z = cap * sigmoid((logits + offset) / temp) over every head column,
+    the MTP targets read across documents (K:1073-1079)."""
+    total = 0.0
+    for t in range(len(targets)):
+        z = cap * torch.sigmoid((weight @ h[t] + offset) / temp)
+        lse = torch.logsumexp(z, 0)
+        for k, w in enumerate(weights):
+            if t + k < len(targets):
+                total = total + w * (lse - z[targets[t + k]])
+        prefix = int(table[targets[t]])
+        if prefix >= 0:
+            total = total + prefix_weight * (lse - z[prefix])
+    return total
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+@pytest.mark.parametrize("mtp", [[1.0, 0.5, 0.2], [1.0]], ids=["mtp", "next-token"])
+def test_the_prefix_token_loss_and_its_gradient_match_a_token_by_token_reference(mtp, chunked):
+    """--prefix_loss_weight (record #89): the summed training loss of the model's head and its gradient to the
+    head's weight and the final hidden state, against prefix_loss_reference in fp64, with MTP on and off; one
+    target's next token is its own prefix token (two terms on one column). Validation stays the plain mean."""
+    args = small_args("--loss_sum=true", "--logit_softcap=23", "--logit_offset=5", "--cross_document_shifts=true")
+    torch.manual_seed(0)
+    model = T.GPT(T.ModelConfig.of(args), loss=T.LossPath(chunked=chunked, prefix_tokens=True))
+    head = torch.nn.init.normal_(model.lm_head.weight, std=0.05)
+    tokens = tokens_with_docs(BLOCK + 1, [0, 60])
+    tokens[20] = 65  # "b", a single byte: no prefix token (nor EOT, an input at 60)
+    gazed, gaze = 50255, 17841  # " gazed", " gaze"
+    assert model.prefix_table[gazed] == gaze
+    tokens[[30, 31]] = torch.tensor([gazed, gaze])  # target 29 is " gazed", target 30 its prefix token
+    x, y = tokens[:-1], tokens[1:]
+    row = torch.tensor([*mtp, 0.25])
+    loss = model(x, y, T.window_tensor(1), row)
+    loss.backward()
+    h = model.final_hidden(x, T.window_tensor(1))[0].detach().double().requires_grad_()
+    w = head.detach().double().requires_grad_()
+    want = prefix_loss_reference(h, w, y.tolist(), mtp, 0.25, model.prefix_table)
+    want.backward()
+    torch.testing.assert_close(loss.double(), want.detach(), rtol=1e-5, atol=0)
+    assert rel_err(model.lm_head.weight.grad, w.grad) < 1e-4
+    h2 = model.final_hidden(x, T.window_tensor(1))[0].detach().requires_grad_()
+    head_loss = (T.chunked_head_loss(h2, model.lm_head.weight, model.loss_targets(y, len(row)), model.softcap,
+                                     model.loss.chunk, row, T.LossForm(False, True)) if chunked else
+                 T.multi_token_cross_entropy(F.linear(h2, model.lm_head.weight), model.loss_targets(y, len(row)), row,
+                                             model.softcap, T.LossForm(False, True)))
+    head_loss.backward()
+    assert rel_err(h2.grad, h.grad) < 1e-4
+    off = model(x, y, T.window_tensor(1), torch.tensor([*mtp, 0.0]))  # the term's weight at 0: the MTP loss alone
+    assert off.item() == pytest.approx(prefix_loss_reference(h, w, y.tolist(), mtp, 0.0, model.prefix_table).item(),
+                                       rel=1e-5)
+    with torch.no_grad():
+        mean = model.eval()(x, y, T.window_tensor(1))
+    plain = T.GPT(T.ModelConfig.of(args))
+    plain.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        assert mean.item() == plain.eval()(x, y, T.window_tensor(1)).item()

@@ -595,3 +595,47 @@ def test_the_record_flags_off_keep_todays_stage_starts_and_lr():
     plain = T.batch_schedule(dataclasses.replace(args, rounded_stages=False), 8)
     assert [plain.first_step(k) for k in range(3)] == [0, 424, 847] and plain.stage(423) == plain.lr_stage(423) == 0
     assert T.stage_share_cooldown_lr(600, 1270, 0.6, 0.15, 1.52) == r_get_lr(600)
+
+
+# ----------------------------------------------------------------------------- record #89's loss weights by stage
+
+# the record recipe's own batch schedule: stages from round(k * S / 3) (T:1943: 0, 423, 847 of S = 1270)
+RECORD_STAGES = T.batch_schedule(T.parse_args(["--preset=speedrun", "--recipe=record"], True), 8)
+
+
+def record_loss_weights(step):
+    """T:1950-1958 with T:1980-1988's stages: w = start + (end - start) * t per stage, t = 1 past the last."""
+    ends = [0, 423, 847, 1270, 1285]
+    stages = [([1.0, 0.5, 0.25], [1.0, 0.5, 0.0], 0.25, 0.25), ([1.0, 0.5], [1.0, 0.0], 0.25, 0.0),
+              ([1.0], [1.0], 0.0, 0.0), ([1.0], [1.0], 0.0, 0.0)]
+    k = next((i for i in range(4) if step < ends[i + 1]), 3)
+    t = (step - ends[k]) / (ends[k + 1] - ends[k]) if step < 1285 else 1.0
+    start, end, p0, p1 = stages[k]
+    mtp = [a + (b - a) * t for a, b in zip(start, end)]
+    return mtp + [0.0] * (3 - len(mtp)) + [p0 + (p1 - p0) * t]
+
+
+@pytest.mark.parametrize("step, mtp, prefix", [  # docs/track1-record-fidelity.md §2, values at the boundary steps
+    (0, (1, 0.5, 0.25), 0.25), (1, (1, 0.5, 0.24941), 0.25), (300, (1, 0.5, 0.07270), 0.25),
+    (422, (1, 0.5, 0.00059), 0.25), (423, (1, 0.5, 0), 0.25), (508, (1, 0.39976, 0), 0.19988),
+    (509, (1, 0.39858, 0), 0.19929), (846, (1, 0.00118, 0), 0.00059), (847, (1, 0, 0), 0), (849, (1, 0, 0), 0),
+    (1000, (1, 0, 0), 0), (1269, (1, 0, 0), 0), (1270, (1, 0, 0), 0), (1284, (1, 0, 0), 0), (1285, (1, 0, 0), 0),
+])
+def test_the_loss_weights_by_stage_are_the_records_at_its_boundary_steps(step, mtp, prefix):
+    got = T.stage_loss_weights(step, RECORD_STAGES, 3, 0.25)
+    assert got == pytest.approx([*mtp, prefix], abs=6e-6)
+    assert got == pytest.approx(record_loss_weights(step), abs=1e-12)
+    assert T.stage_loss_weights(step, RECORD_STAGES, 3) == got[:3]  # no prefix weight: MTP's alone
+    assert T.stage_loss_weights(step, RECORD_STAGES, 1, 0.25) == [1.0, got[3]]  # no MTP: the next token, the prefix
+
+
+def test_the_step_tensors_follow_the_stages_and_end_their_table_where_the_weights_settle():
+    args = speedrun("--mtp_tokens=3", "--prefix_loss_weight=0.25", "--loss_weights_by_stage=true",
+                    "--num_iterations=1285", "--extension_steps=15")
+    schedules = T.StepTensors(args, torch.device("cpu"), RECORD_STAGES)
+    assert schedules.mtp_last == 847 and len(schedules.mtp_table) == 848
+    for step in (0, 300, 423, 508, 846, 847, 1284, 1285, 5000):
+        [row] = schedules.mtp_weights(step)
+        assert row.tolist() == torch.tensor(record_loss_weights(min(step, 1285))).tolist(), step
+    assert T.StepTensors(speedrun("--prefix_loss_weight=0.25", "--loss_weights_by_stage=true"),
+                         torch.device("cpu")).mtp_weights(0)[0].tolist() == [1.0, 0.25]
