@@ -103,7 +103,7 @@ def test_a_technique_marked_as_reading_the_previous_token_is_one_the_kv_cache_ca
     false); for the ones marked true it does not, so decode() must (and does) rerun the history."""
     # its short-track v2 values, or, for track 2's own techniques, the medium preset's
     on = next((technique.v2[preset] for preset in ("cpu", "speedrun") if preset in technique.v2), None) or \
-        {name: T.PRESETS["medium"][name] for name in technique.flags}
+        {name: T.PRESETS["medium"].get(name, T.RECORD_VALUES["speedrun"].get(name)) for name in technique.flags}
     values = {**on, **({"bigram_vocab_size": 1000, "bigram_dim": 32} if technique.name == "bigram" else {}),
               **({"short_window_cap": 1} if technique.name == "short_window_cap" else {}),  # a cap below window 2
               **({"value_embed_tables": 1} if technique.name == "value_embed_tables" else {}),  # 4 layers hold 2

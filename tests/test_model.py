@@ -876,3 +876,159 @@ def test_the_default_skips_are_the_mirrored_u_net_with_linear_weights():
     model = T.GPT(T.ModelConfig.of(small_args("--n_layer=6")))
     assert model.skips == ((2, 3), (1, 4), (0, 5)) and model.skip_weights.tolist() == [1.0] * 3
     assert model.skip_lambdas is None and model.embed2 is None and model.embed.weight.shape[0] == 50257
+
+
+# ----------------------------------------------------------------------------- FP8 MLP (record #89, §4.5)
+
+def e4m3(x):
+    return x.to(torch.float8_e4m3fn).float()
+
+
+class RecordFP8MLP:
+    """A slow direct reading of the fidelity audit's §4.5: explicit e4m3 casts, fp32 matmuls, the record's state
+    (W1's current scale, W2's used and next scales, P's scale a) updated as quantize_mlp_fp8 and the forward do."""
+
+    def __init__(self, w1, w2):
+        self.a = torch.tensor(1.0)
+        self.s_next = torch.tensor(1.0)
+        self.after_step(w1, w2, bootstrap=True)
+
+    def after_step(self, w1, w2, bootstrap):
+        self.s1 = (w1.abs().max().clamp(min=1e-12) / 448).float()
+        self.w1_f8 = e4m3(w1 / self.s1.to(w1.dtype))
+        if bootstrap:  # no headroom: the current amax
+            self.s_next = (w2.abs().max().clamp(min=1e-12) / 448).float()
+        self.w2_f8 = e4m3((w2.float() / self.s_next).clamp(-448, 448))
+        self.s_used = self.s_next
+        self.s_next = w2.float().abs().max().clamp(min=1e-12) * (1.12 / 448)
+
+    def forward(self, x):
+        n = x.bfloat16()
+        m = n.abs().max().clamp(min=1e-12)
+        n_f8 = e4m3(n * (448 / m))
+        pre = ((n_f8 @ self.w1_f8.T) * (self.s1 * m.float() / 448)).bfloat16()
+        post = F.relu(pre).square()
+        post_f8 = e4m3(torch.clamp(post.float() / self.a, max=448))
+        y = ((post_f8 @ self.w2_f8.T) * (self.a * self.s_used)).bfloat16()
+        self.a = post.float().max().clamp(min=1e-12) * (1.80 / 448)  # training forwards only (K:519)
+        return y, post
+
+
+def fp8_mlp(seed=0):
+    torch.manual_seed(seed)
+    mlp = T.MLP(T.ModelConfig.of(small_args("--fp8_mlp=true", "--zero_init=false"))).train()
+    mlp.fp8 = True
+    with torch.no_grad():
+        mlp.c_proj.weight.normal_(std=0.02)
+    T.quantize_mlp_fp8(mlp, bootstrap=True)
+    return mlp
+
+
+def mlp_input(seed, rows=64, d=64):
+    return torch.randn(rows, d, generator=torch.Generator().manual_seed(seed)).bfloat16()
+
+
+def test_fp8_mlp_follows_the_record_through_bootstrap_delayed_scales_and_clipping():
+    """Steps 0-15 bootstrap W2's scale, then it lags a step with 1.12x headroom; W2 growing 1.5x in one step clips.
+    P's scale a is 1 at first, then 1.8x the previous training forward's amax; eval forwards are bf16 and leave it."""
+    mlp = fp8_mlp()
+    ref = RecordFP8MLP(mlp.c_fc.weight.detach(), mlp.c_proj.weight.detach())
+    assert mlp.fp8_act_scale.item() == 1.0
+    clipped = False
+    for step in range(20):
+        for micro in range(2):
+            x = mlp_input(100 * step + micro)
+            y = mlp(x)
+            y_ref, post = ref.forward(x)
+            # the same e4m3 operands; fp32 sums in another order may flip a bf16 rounding or a P element's e4m3
+            torch.testing.assert_close(y.float(), y_ref.float(), rtol=1e-2, atol=5e-3 * y_ref.abs().max().item())
+            assert torch.equal(mlp.fp8_act_scale, ref.a), (step, micro)  # per micro-step
+        with torch.no_grad():
+            before = mlp.fp8_act_scale.clone()
+            plain = mlp.c_proj(F.relu(mlp.c_fc(x)).square())
+            assert torch.equal(mlp.eval()(x), plain) and torch.equal(mlp.fp8_act_scale, before)
+            mlp.train()
+            gen = torch.Generator().manual_seed(step)
+            mlp.c_fc.weight.add_(torch.randn(mlp.c_fc.weight.shape, generator=gen) * 0.01)
+            mlp.c_proj.weight.mul_(1.5 if step == 17 else 1.0).add_(
+                torch.randn(mlp.c_proj.weight.shape, generator=gen) * 0.002)
+        T.quantize_mlp_fp8(mlp, bootstrap=step < T.FP8_MLP_BOOTSTRAP_STEPS)
+        ref.after_step(mlp.c_fc.weight.detach(), mlp.c_proj.weight.detach(), bootstrap=step < 16)
+        for mine, theirs in [(mlp.fp8_up_scale, ref.s1), (mlp.fp8_down_scale, ref.s_used),
+                             (mlp.fp8_down_next_scale, ref.s_next)]:
+            assert torch.equal(mine, theirs), step
+        amax = mlp.c_proj.weight.abs().max()
+        headroom = (amax / (mlp.fp8_down_scale * 448)).item()
+        assert headroom == pytest.approx(1.0, rel=1e-6) if step < 16 else headroom < 1.0 or step == 17
+        clipped |= bool((ref.w2_f8.abs() == 448).sum() > 1)
+    assert clipped  # step 17's weights outgrew the 12% headroom
+
+
+def test_fp8_mlp_backward_is_bf16_from_the_saved_operands():
+    """dW2 = P^T g, dpre = 2 (g W2^T) sqrt(P), dW1 = dpre^T n, dx = dpre W1: autograd of relu(pre)^2 W2^T in fp32
+    with pre's value replaced by sqrt(P) (the FP8 forward's P) and its gradient through n W1^T."""
+    mlp = fp8_mlp(seed=1)
+    x = mlp_input(7).requires_grad_()
+    g = mlp_input(8)
+    (mlp(x) * g).sum().backward()
+    ref = RecordFP8MLP(mlp.c_fc.weight.detach(), mlp.c_proj.weight.detach())
+    _, post = ref.forward(x.detach())
+    n = x.detach().float().requires_grad_()
+    w1 = mlp.c_fc.weight.detach().bfloat16().float().requires_grad_()
+    w2 = mlp.c_proj.weight.detach().bfloat16().float().requires_grad_()
+    h = n @ w1.T
+    pre = h - h.detach() + post.float().sqrt()
+    ((F.relu(pre).square() @ w2.T) * g.float()).sum().backward()
+    for got, want in [(x.grad, n.grad), (mlp.c_fc.weight.grad, w1.grad), (mlp.c_proj.weight.grad, w2.grad)]:
+        assert got.dtype == want.dtype or got.dtype == torch.bfloat16
+        torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
+    assert mlp.c_fc.weight.grad.dtype == mlp.c_fc.weight.dtype and x.grad.dtype == torch.bfloat16
+
+
+def test_fp8_mlp_state_round_trips_and_exists_only_with_the_flag():
+    """The scales (P's included) are model buffers: a state_dict round trip (what checkpoints and the warm-up's
+    restore copy) gives the same next forward, bit for bit; without --fp8_mlp there is no such state."""
+    args = small_args("--fp8_mlp=true", "--zero_init=false")
+    tokens = tokens_with_docs(1025, [0, 300])
+    models = []
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        models.append(T.GPT(T.ModelConfig.of(args), fp8_mlp=True))
+        T.quantize_mlp_fp8(models[-1], bootstrap=True)
+    trained, fresh = models
+    for step in range(3):
+        trained(tokens[:-1], tokens[1:], T.window_tensor(2)).backward()
+        with torch.no_grad():
+            for p in trained.parameters():
+                p.sub_(0.01 * p.grad.sign()) if p.grad is not None else None
+        T.quantize_mlp_fp8(trained, bootstrap=False)
+    state = trained.state_dict()
+    names = {k for k in state if ".fp8_" in k}
+    assert len(names) == 4 * args.n_layer and state["blocks.1.mlp.fp8_act_scale"].item() != 1.0
+    fresh.load_state_dict(state)
+    for model in (trained, fresh):
+        model.zero_grad(set_to_none=True)
+    a, b = (m(tokens[:-1], tokens[1:], T.window_tensor(2)) for m in (trained, fresh))
+    assert torch.equal(a, b)
+    assert torch.equal(trained.blocks[0].mlp.fp8_act_scale, fresh.blocks[0].mlp.fp8_act_scale)
+    plain = T.GPT(T.ModelConfig.of(small_args()))
+    assert not any(".fp8_" in k for k in plain.state_dict()) and not plain.blocks[0].mlp.fp8
+
+
+@pytest.mark.parametrize("name", ["fp8_mlp", "fp8_head"])
+def test_fp8_asked_on_the_command_line_without_fp8_matmuls_is_refused_in_one_line(name):
+    """A recipe's FP8 runs in bf16 where the device has none (fp8_head's default); the command line's is refused."""
+    args = small_args(f"--{name}=true")
+    with pytest.raises(T.UsageError) as e:
+        T.choose_kernels(args, "cpu", False, explicit={name: True})
+    assert str(e.value).startswith(f"--{name}=true needs FP8 matmuls") and "\n" not in str(e.value)
+    assert f"pass --{name}=false" in str(e.value)
+    quiet = T.choose_kernels(args, "cpu", False)
+    assert not quiet["fp8_head"] and not quiet["fp8_mlp"]
+    assert T.choose_kernels(args, "cuda", True, explicit={name: True})[name]
+
+
+def test_the_record_recipe_runs_the_fp8_mlp_on_the_speedrun_preset_only():
+    assert T.parse_args(["--preset=speedrun", "--recipe=record"], False).fp8_mlp
+    assert not T.parse_args(["--preset=cpu", "--recipe=record"], False).fp8_mlp
+    assert not T.parse_args(["--preset=speedrun"], False).fp8_mlp
