@@ -250,6 +250,8 @@ class Hyperparameters:
     fp8_head: bool = flag(True, "R: FP8 LM head; used only where the GPU supports FP8 (compute capability >= 8.9)")
     fp8_mlp: bool = flag(False, "record #89, T:1403-1434, K:443-566: the MLP's training forward in FP8 (up: current "
                                 "scaling, down: delayed scales); used only where the GPU supports FP8")
+    fp8_head_scales: str = flag("reference", "the FP8 head's x, W, g scales: reference (2, 2^9, 2^19) | record (record "
+                                             "#89, T:1225: 448/100, 448/1.6, 448/0.75 on the summed loss)")
     attention: str = flag("auto", "flex | banded; auto: flex on CUDA, banded (SDPA over key chunks) on CPU")
     compile: str = flag("auto", "model | loss (softcap + cross-entropy only) | off; auto: model on CUDA, loss on CPU")
     coordinate_descent_tuning: bool = flag(True, "R's inductor setting with --compile=model: faster kernels, longer "
@@ -804,13 +806,15 @@ def fp8_kernel(math, backend: str):
 
 
 @torch.library.custom_op("speedrun::fp8_matmul", mutates_args=())
-def fp8_matmul(x: Tensor, w: Tensor, x_scale: float, w_scale: float, backend: str) -> tuple[Tensor, Tensor, Tensor]:
-    """x @ w.T in FP8, its math run as fp8_kernel(backend) runs it; also returns the FP8 operands for backward."""
+def fp8_matmul(x: Tensor, w: Tensor, x_scale: float, w_scale: float, backend: str,
+               grad_scale: float = 2.0 ** 19) -> tuple[Tensor, Tensor, Tensor]:
+    """x @ w.T in FP8, its math run as fp8_kernel(backend) runs it; also returns the FP8 operands for backward
+    (whose gradient is scaled by grad_scale)."""
     return fp8_kernel(fp8_forward_math, backend)(x, w, x_scale, w_scale)
 
 
 @fp8_matmul.register_fake
-def _(x: Tensor, w: Tensor, x_scale: float, w_scale: float, backend: str):
+def _(x: Tensor, w: Tensor, x_scale: float, w_scale: float, backend: str, grad_scale: float = 2.0 ** 19):
     return (x.new_empty(x.shape[0], w.shape[0], dtype=torch.bfloat16),
             torch.empty_like(x, dtype=torch.float8_e4m3fn), torch.empty_like(w, dtype=torch.float8_e4m3fn))
 
@@ -828,18 +832,21 @@ def _(grad: Tensor, x_f8: Tensor, w_f8: Tensor, x_scale: float, w_scale: float, 
 
 
 FP8_SCALES = dict(x_scale=2.0, w_scale=2.0 ** 9, grad_scale=2.0 ** 19)  # R (w from 2**5, grad from 2**29)
+# record #89, T:1225: x/(100/448), W/(1.6/448), g/(0.75/448) with g the summed loss's gradient (grad_scale = 1)
+FP8_HEAD_SCALES = {"reference": FP8_SCALES,
+                   "record": dict(x_scale=448 / 100, w_scale=448 / 1.6, grad_scale=448 / 0.75)}
 
 
 def _fp8_setup_context(ctx, inputs, output):
-    _, _, x_scale, w_scale, backend = inputs
+    _, _, x_scale, w_scale, backend, *grad_scale = inputs
     ctx.save_for_backward(output[1], output[2])
-    ctx.scales, ctx.backend = (x_scale, w_scale), backend
+    ctx.scales, ctx.backend = (x_scale, w_scale, *(grad_scale or [FP8_SCALES["grad_scale"]])), backend
 
 
 def _fp8_backward(ctx, grad_out, *_):
     x_f8, w_f8 = ctx.saved_tensors
-    grad_x, grad_w = fp8_matmul_backward(grad_out, x_f8, w_f8, *ctx.scales, FP8_SCALES["grad_scale"], ctx.backend)
-    return grad_x, grad_w, None, None, None
+    grad_x, grad_w = fp8_matmul_backward(grad_out, x_f8, w_f8, *ctx.scales, ctx.backend)
+    return grad_x, grad_w, None, None, None, None
 
 
 fp8_matmul.register_autograd(_fp8_backward, setup_context=_fp8_setup_context)
@@ -847,18 +854,20 @@ fp8_matmul.register_autograd(_fp8_backward, setup_context=_fp8_setup_context)
 
 class CastedLinear(nn.Linear):
     """fp32 master weight, used in the activation dtype; optionally FP8 in training (the head): fp8 names how
-    fp8_matmul runs its math (fp8_kernel), None keeps the activation dtype."""
+    fp8_matmul runs its math (fp8_kernel), None keeps the activation dtype; fp8_scales: FP8_SCALES' keys."""
 
-    def __init__(self, in_features: int, out_features: int, zero_init: bool = False, fp8: str | None = None):
+    def __init__(self, in_features: int, out_features: int, zero_init: bool = False, fp8: str | None = None,
+                 fp8_scales: dict[str, float] = FP8_SCALES):
         super().__init__(in_features, out_features, bias=False)
-        self.fp8 = fp8
+        self.fp8, self.fp8_scales = fp8, fp8_scales
         bound = math.sqrt(3) * 0.5 / math.sqrt(in_features)  # uniform with std 0.5/sqrt(fan_in)
         with torch.no_grad():
             self.weight.zero_() if zero_init else self.weight.uniform_(-bound, bound)
 
     def forward(self, x: Tensor) -> Tensor:
         if self.fp8 is not None and self.training:
-            out = fp8_matmul(x.flatten(0, -2), self.weight, FP8_SCALES["x_scale"], FP8_SCALES["w_scale"], self.fp8)[0]
+            s = self.fp8_scales
+            out = fp8_matmul(x.flatten(0, -2), self.weight, s["x_scale"], s["w_scale"], self.fp8, s["grad_scale"])[0]
             return out.view(*x.shape[:-1], -1)
         return F.linear(x, self.weight.type_as(x))
 
@@ -986,6 +995,7 @@ class ModelConfig:
     bf16_rotary: bool
     bf16_train_logits: bool
     fp8_mlp: bool  # the MLPs keep the FP8 scales (whether FP8 runs is the device's: GPT's fp8_mlp)
+    fp8_head_scales: str
     loss_sum: bool
     short_window_cap: int
     token_exact_windows: bool
@@ -1329,7 +1339,7 @@ class GPT(nn.Module):
         self.smear_lambda = nn.Parameter(torch.zeros(1)) if cfg.smear else None  # the record: no smear at first
         self.backout_lambda = nn.Parameter(torch.tensor([BACKOUT_LAMBDA_INIT])) if cfg.backout else None
         self.lm_head = CastedLinear(cfg.model_dim, next_multiple(cfg.vocab_size, 128), zero_init=cfg.zero_init,
-                                    fp8=fp8_kernels)
+                                    fp8=fp8_kernels, fp8_scales=FP8_HEAD_SCALES[cfg.fp8_head_scales])
         if cfg.head_init_std:
             nn.init.normal_(self.lm_head.weight, mean=0.0, std=cfg.head_init_std)  # M L1073
         self.embed_from_head = False  # track 2 (M L1148-1152): tokens are looked up in the head's weight while tied
@@ -3127,6 +3137,17 @@ TECHNIQUES: tuple[Technique, ...] = (
             Refusal(lambda a: a.fp8_mlp and a.mlp_act != "relu2",
                     lambda a: f"--fp8_mlp=true is the record's FP8 relu^2 MLP and this run has --mlp_act={a.mlp_act}; "
                               "pass --mlp_act=relu2 or --fp8_mlp=false"),)),
+    # the head's FP8 scales of record #89 (x and g since the retied head, W since the value-embedding gates)
+    Technique(
+        "fp8_head_scales", ("2025-12-19_RetieLMHead", "2025-12-29_VeSkipGates"), "model",
+        {"fp8_head_scales": one_of(*FP8_HEAD_SCALES)}, {},
+        left_out={preset: "a record #89 technique (--recipe=record)" for preset in PRESETS},
+        refusals=(
+            Refusal(lambda a: a.fp8_head_scales == "record" and not a.loss_sum,
+                    lambda a: "--fp8_head_scales=record scales the gradient of the summed loss, and this run has "
+                              "--loss_sum=false; pass --loss_sum=true or --fp8_head_scales=reference"),),
+        only_when=(only_if(("fp8_head_scales",), lambda a: a.fp8_head, "--fp8_head=true",
+                           lambda a: "--fp8_head=false (a bf16 head)"),)),
     Technique(
         "smear", ("2025-09-18_Smear",), "model", {"smear": ANY_BOOL}, everywhere(smear=True),
         refusals=(gates_need_width("smear"),), reads_previous_token=True, gate_lrs={"smear_gate": 0.01 / 5}),
@@ -3324,6 +3345,7 @@ RECORD_VALUES: dict[str, dict[str, object]] = {
         # the loss: prefix tokens (T:1175-1198, K:1066-1168)
         # the FP8 MLP (T:1403-1434, K:443-713)
         fp8_mlp=True,  # T:1498: FP8 up and down projections in training (bf16 where the GPU has no FP8)
+        fp8_head_scales="record",  # T:1225: x_s 100/448, w_s 1.6/448, grad_s grad_scale * 0.75/448 (grad_scale 1)
         # schedules, optimizers and data (T:1886-2110)
     ),
     "cpu": dict(
@@ -3332,6 +3354,7 @@ RECORD_VALUES: dict[str, dict[str, object]] = {
         # the loss: prefix tokens
         # the FP8 MLP
         fp8_mlp=False,  # T:1498 runs it on FP8 GPUs only; a CPU has no FP8 matmul (and _scaled_mm there is slow)
+        fp8_head_scales="record",  # T:1225 (the head runs bf16 on a CPU; the scales are what an FP8 GPU would use)
         # schedules, optimizers and data
     ),
     "medium": {},  # track 2 has its own record: the medium preset

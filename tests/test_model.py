@@ -1053,7 +1053,30 @@ def test_fp8_asked_on_the_command_line_without_fp8_matmuls_is_refused_in_one_lin
     assert T.choose_kernels(args, "cuda", True, explicit={name: True})[name]
 
 
-def test_the_record_recipe_runs_the_fp8_mlp_on_the_speedrun_preset_only():
-    assert T.parse_args(["--preset=speedrun", "--recipe=record"], False).fp8_mlp
-    assert not T.parse_args(["--preset=cpu", "--recipe=record"], False).fp8_mlp
-    assert not T.parse_args(["--preset=speedrun"], False).fp8_mlp
+def test_the_record_recipe_runs_the_fp8_mlp_on_the_speedrun_preset_only_and_the_head_at_its_scales():
+    """(--loss_sum=true: the loss section's record value, which the record head's g scale needs.)"""
+    speedrun, cpu = (T.parse_args([f"--preset={p}", "--recipe=record", "--loss_sum=true"], False)
+                     for p in ("speedrun", "cpu"))
+    assert speedrun.fp8_mlp and not cpu.fp8_mlp and speedrun.fp8_head_scales == cpu.fp8_head_scales == "record"
+    plain = T.parse_args(["--preset=speedrun"], False)
+    assert not plain.fp8_mlp and plain.fp8_head_scales == "reference"
+    with pytest.raises(T.UsageError) as e:
+        T.parse_args(["--preset=speedrun", "--fp8_head_scales=record"], False)
+    assert "--loss_sum=false; pass --loss_sum=true" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_the_record_head_scales_reach_the_fp8_matmul_forward_and_backward(monkeypatch):
+    """T:1225: x/(100/448) and W/(1.6/448) in e4m3, g/(0.75/448) in e5m2; the reference's 2, 2^9, 2^19 otherwise."""
+    seen = []
+    forward, backward = T.fp8_forward_math, T.fp8_backward_math
+    monkeypatch.setattr(T, "fp8_forward_math", lambda x, w, xs, ws: seen.append((xs, ws)) or forward(x, w, xs, ws))
+    monkeypatch.setattr(T, "fp8_backward_math",
+                        lambda g, x8, w8, xs, ws, gs: seen.append(gs) or backward(g, x8, w8, xs, ws, gs))
+    for scales, expected in [("record", [(4.48, 280.0), 448 / 0.75]), ("reference", [(2.0, 512.0), 2.0 ** 19])]:
+        args = small_args(f"--fp8_head_scales={scales}", "--loss_sum=true", "--zero_init=false")
+        model = T.GPT(T.ModelConfig.of(args), fp8_kernels="eager")
+        assert model.lm_head.fp8_scales == T.FP8_HEAD_SCALES[scales]
+        x = T.rms_norm(torch.randn(8, 64)).bfloat16().requires_grad_()
+        model.lm_head(x).float().sum().backward()
+        assert seen == [(pytest.approx(expected[0][0]), pytest.approx(expected[0][1])), pytest.approx(expected[1])]
+        seen.clear()
