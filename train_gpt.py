@@ -3593,7 +3593,8 @@ class Runtime(Place):
 
     def resolved(self) -> dict:
         """What start-up decided (not what was asked for): the summary and checkpoints record this."""
-        return {"attention": self.attention, "fp8_head": self.fp8_head, "compile": self.compile,
+        return {"attention": self.attention, "fp8_head": self.fp8_head, "fp8_mlp": self.fp8_mlp,
+                "compile": self.compile,
                 "dtype": str(self.dtype).removeprefix("torch."), "device": str(self.device),
                 "chunked_loss": self.chunked_loss, "compile_attention": self.compile_attention,
                 "compile_fp8": self.compile_fp8, "compile_newton_schulz": self.compile_newton_schulz,

@@ -128,7 +128,8 @@ def test_sigterm_on_one_rank_checkpoints_all_ranks_and_resume_continues(tmp_path
     meta = json.loads((ckpts[0] / "checkpoint.json").read_text())
     assert meta["runtime"] == {"attention": "banded", "fp8_head": False, "compile": "off", "dtype": "bfloat16",
                                "device": "cpu", "chunked_loss": True, "compile_attention": False,
-                               "compile_fp8": False, "compile_newton_schulz": False, "grad_sync_from_hooks": True,
+                               "compile_fp8": False, "fp8_mlp": False,
+                               "compile_newton_schulz": False, "grad_sync_from_hooks": True,
                                "host_malloc": "glibc mmap_threshold=268435456,trim_threshold=1073741824,top_pad=268435456",
                                "world_size": 2}  # resolved, not "auto"/true
     assert meta["step"] == stopped_at and meta["format"] == checkpoints.CHECKPOINT_FORMAT
