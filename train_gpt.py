@@ -4215,7 +4215,7 @@ def write_log_header(log: RunLog, args: Hyperparameters, rt: Runtime, run_id: st
                  environment_lines(rt) if rt.is_master else [])
     for line in [f"run {run_id}: preset {args.preset}, {rt.world_size} rank(s) x {accum} micro-step(s), "
                  f"{device_name(rt)}, attention {rt.attention}, fp8 head {rt.fp8_head}, compile {rt.compile}",
-                 left_out_line(args), *device_notes(args.fp8_head, rt)]:
+                 left_out_line(args), *device_notes(args.fp8_head, rt, args.fp8_mlp)]:
         if line:
             log.write(line)
     return sources
