@@ -120,14 +120,17 @@ def check_torch_install(preset: object) -> None:
         raise UsageError(problem)
 
 
-def device_notes(fp8_asked: bool, rt) -> list[str]:
+def device_notes(fp8_asked: bool, rt, fp8_mlp_asked: bool = False) -> list[str]:
     """Run log lines on what this torch and device change (rt: train_gpt's Runtime): a torch newer than the tested
-    range; a GPU without FP8 matmuls, whose LM head runs in bf16 although --fp8_head asked for FP8."""
+    range; a GPU without FP8 matmuls, whose LM head (and MLPs) run in bf16 although --fp8_head (--fp8_mlp) asked
+    for FP8."""
     notes = [newer_torch_warning(torch.__version__)]
-    if fp8_asked and rt.is_cuda and not rt.fp8_head:
-        major, minor = torch.cuda.get_device_capability(rt.device)
-        notes.append(f"fp8 head: off: {torch.cuda.get_device_name(rt.device)} (compute capability {major}.{minor}) "
-                     "has no FP8 matmuls (needs >= 8.9, as H100, H200, L40S); the LM head runs in bf16")
+    for asked, used, what in [(fp8_asked, rt.fp8_head, "head"), (fp8_mlp_asked, rt.fp8_mlp, "mlp")]:
+        if asked and rt.is_cuda and not used:
+            major, minor = torch.cuda.get_device_capability(rt.device)
+            part = "the LM head runs" if what == "head" else "the MLPs train"
+            notes.append(f"fp8 {what}: off: {torch.cuda.get_device_name(rt.device)} (compute capability "
+                         f"{major}.{minor}) has no FP8 matmuls (needs >= 8.9, as H100, H200, L40S); {part} in bf16")
     return [note for note in notes if note]
 
 

@@ -274,6 +274,10 @@ class Hyperparameters:
     weight_decay: float = flag(0.0, "R: none; decoupled, on matrices updated by Adam")
     dtype: str = flag("bf16", "activations and embeddings: bf16 | fp32", group="systems")
     fp8_head: bool = flag(True, "R: FP8 LM head; used only where the GPU supports FP8 (compute capability >= 8.9)")
+    fp8_mlp: bool = flag(False, "record #89, T:1403-1434, K:443-566: the MLP's training forward in FP8 (up: current "
+                                "scaling, down: delayed scales); used only where the GPU supports FP8")
+    fp8_head_scales: str = flag("reference", "the FP8 head's x, W, g scales: reference (2, 2^9, 2^19) | record (record "
+                                             "#89, T:1225: 448/100, 448/1.6, 448/0.75 on the summed loss)")
     attention: str = flag("auto", "flex | banded; auto: flex on CUDA, banded (SDPA over key chunks) on CPU")
     compile: str = flag("auto", "model | loss (softcap + cross-entropy only) | off; auto: model on CUDA, loss on CPU")
     coordinate_descent_tuning: bool = flag(True, "R's inductor setting with --compile=model: faster kernels, longer "
@@ -856,13 +860,15 @@ def fp8_kernel(math, backend: str):
 
 
 @torch.library.custom_op("speedrun::fp8_matmul", mutates_args=())
-def fp8_matmul(x: Tensor, w: Tensor, x_scale: float, w_scale: float, backend: str) -> tuple[Tensor, Tensor, Tensor]:
-    """x @ w.T in FP8, its math run as fp8_kernel(backend) runs it; also returns the FP8 operands for backward."""
+def fp8_matmul(x: Tensor, w: Tensor, x_scale: float, w_scale: float, backend: str,
+               grad_scale: float = 2.0 ** 19) -> tuple[Tensor, Tensor, Tensor]:
+    """x @ w.T in FP8, its math run as fp8_kernel(backend) runs it; also returns the FP8 operands for backward
+    (whose gradient is scaled by grad_scale)."""
     return fp8_kernel(fp8_forward_math, backend)(x, w, x_scale, w_scale)
 
 
 @fp8_matmul.register_fake
-def _(x: Tensor, w: Tensor, x_scale: float, w_scale: float, backend: str):
+def _(x: Tensor, w: Tensor, x_scale: float, w_scale: float, backend: str, grad_scale: float = 2.0 ** 19):
     return (x.new_empty(x.shape[0], w.shape[0], dtype=torch.bfloat16),
             torch.empty_like(x, dtype=torch.float8_e4m3fn), torch.empty_like(w, dtype=torch.float8_e4m3fn))
 
@@ -880,18 +886,21 @@ def _(grad: Tensor, x_f8: Tensor, w_f8: Tensor, x_scale: float, w_scale: float, 
 
 
 FP8_SCALES = dict(x_scale=2.0, w_scale=2.0 ** 9, grad_scale=2.0 ** 19)  # R (w from 2**5, grad from 2**29)
+# record #89, T:1225: x/(100/448), W/(1.6/448), g/(0.75/448) with g the summed loss's gradient (grad_scale = 1)
+FP8_HEAD_SCALES = {"reference": FP8_SCALES,
+                   "record": dict(x_scale=448 / 100, w_scale=448 / 1.6, grad_scale=448 / 0.75)}
 
 
 def _fp8_setup_context(ctx, inputs, output):
-    _, _, x_scale, w_scale, backend = inputs
+    _, _, x_scale, w_scale, backend, *grad_scale = inputs
     ctx.save_for_backward(output[1], output[2])
-    ctx.scales, ctx.backend = (x_scale, w_scale), backend
+    ctx.scales, ctx.backend = (x_scale, w_scale, *(grad_scale or [FP8_SCALES["grad_scale"]])), backend
 
 
 def _fp8_backward(ctx, grad_out, *_):
     x_f8, w_f8 = ctx.saved_tensors
-    grad_x, grad_w = fp8_matmul_backward(grad_out, x_f8, w_f8, *ctx.scales, FP8_SCALES["grad_scale"], ctx.backend)
-    return grad_x, grad_w, None, None, None
+    grad_x, grad_w = fp8_matmul_backward(grad_out, x_f8, w_f8, *ctx.scales, ctx.backend)
+    return grad_x, grad_w, None, None, None, None
 
 
 fp8_matmul.register_autograd(_fp8_backward, setup_context=_fp8_setup_context)
@@ -899,18 +908,20 @@ fp8_matmul.register_autograd(_fp8_backward, setup_context=_fp8_setup_context)
 
 class CastedLinear(nn.Linear):
     """fp32 master weight, used in the activation dtype; optionally FP8 in training (the head): fp8 names how
-    fp8_matmul runs its math (fp8_kernel), None keeps the activation dtype."""
+    fp8_matmul runs its math (fp8_kernel), None keeps the activation dtype; fp8_scales: FP8_SCALES' keys."""
 
-    def __init__(self, in_features: int, out_features: int, zero_init: bool = False, fp8: str | None = None):
+    def __init__(self, in_features: int, out_features: int, zero_init: bool = False, fp8: str | None = None,
+                 fp8_scales: dict[str, float] = FP8_SCALES):
         super().__init__(in_features, out_features, bias=False)
-        self.fp8 = fp8
+        self.fp8, self.fp8_scales = fp8, fp8_scales
         bound = math.sqrt(3) * 0.5 / math.sqrt(in_features)  # uniform with std 0.5/sqrt(fan_in)
         with torch.no_grad():
             self.weight.zero_() if zero_init else self.weight.uniform_(-bound, bound)
 
     def forward(self, x: Tensor) -> Tensor:
         if self.fp8 is not None and self.training:
-            out = fp8_matmul(x.flatten(0, -2), self.weight, FP8_SCALES["x_scale"], FP8_SCALES["w_scale"], self.fp8)[0]
+            s = self.fp8_scales
+            out = fp8_matmul(x.flatten(0, -2), self.weight, s["x_scale"], s["w_scale"], self.fp8, s["grad_scale"])[0]
             return out.view(*x.shape[:-1], -1)
         return F.linear(x, self.weight.type_as(x))
 
@@ -1037,6 +1048,8 @@ class ModelConfig:
     value_embed_zero_init: bool
     bf16_rotary: bool
     bf16_train_logits: bool
+    fp8_mlp: bool  # the MLPs keep the FP8 scales (whether FP8 runs is the device's: GPT's fp8_mlp)
+    fp8_head_scales: str
     loss_sum: bool
     short_window_cap: int
     token_exact_windows: bool
@@ -1202,15 +1215,94 @@ class CausalSelfAttention(nn.Module):
         return self.c_proj(y)
 
 
+# FP8 MLP (record #89, T:1403-1434, T:1640-1680, K:443-566, K:706-713): the training forward's two matmuls read
+# e4m3 operands with per-tensor scales; every backward, and evaluation, is bf16.
+E4M3_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
+FP8_MLP_ACT_HEADROOM = 1.80  # T:1674: the next forward's activation scale is 1.8x this forward's amax
+FP8_MLP_WEIGHT_HEADROOM = 1.12  # K:754: the next step's W2 scale is 1.12x this step's amax
+FP8_MLP_BOOTSTRAP_STEPS = 16  # T:2365: W2's scale from its current amax after training steps 0-15
+
+
+def fp8_up_projection(n: Tensor, w1: Tensor, up_scale: Tensor) -> Tensor:
+    """P = relu(n W1^T)^2 in bf16 from e4m3 n (scaled by its own amax, T:1645-1647) and e4m3 W1 (scaled by
+    up_scale, set after each step): the fp32 product dequantized once, then cast to bf16 (K:443-466)."""
+    amax = n.abs().max().clamp(min=1e-12)
+    n_f8 = (n * (E4M3_MAX / amax)).to(torch.float8_e4m3fn)
+    w1_f8 = (w1 / up_scale.to(w1.dtype)).to(torch.float8_e4m3fn)
+    dequant = up_scale * amax.float() / E4M3_MAX
+    pre = torch._scaled_mm(n_f8, w1_f8.T, scale_a=dequant, scale_b=torch.ones_like(dequant),
+                           out_dtype=torch.bfloat16, use_fast_accum=True)
+    return F.relu(pre).square()
+
+
+def fp8_down_projection(post: Tensor, w2: Tensor, down_scale: Tensor, act_scale: Tensor) -> Tensor:
+    """Y = P W2^T in bf16 from e4m3 P / a (clipped at 448, K:464) and e4m3 W2 / s (clipped at +-448, K:546)."""
+    post_f8 = (post.float() * (1.0 / act_scale)).clamp(max=E4M3_MAX).to(torch.float8_e4m3fn)
+    w2_f8 = (w2.float() / down_scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    return torch._scaled_mm(post_f8, w2_f8.T, scale_a=act_scale, scale_b=down_scale, out_dtype=torch.bfloat16,
+                            use_fast_accum=True)
+
+
+class FP8MLPFunction(torch.autograd.Function):
+    """relu(x W1^T)^2 W2^T with an FP8 forward, and amax(P). In bf16, as the record's activations (fp32 ones are
+    cast); backward in bf16 from the saved bf16 x, P, W1 and W2 (K:720-729), relu(pre) rebuilt as sqrt(P) (K:470)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, w1: Tensor, w2: Tensor, up_scale: Tensor, down_scale: Tensor,
+                act_scale: Tensor) -> tuple[Tensor, Tensor]:
+        n = x.flatten(0, -2).bfloat16()
+        post = fp8_up_projection(n, w1, up_scale)
+        out = fp8_down_projection(post, w2, down_scale, act_scale)
+        ctx.save_for_backward(n, post, w1, w2)
+        ctx.x_dtype = x.dtype
+        return out.view(*x.shape[:-1], -1).to(x.dtype), post.max().float()
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor, _):
+        n, post, w1, w2 = ctx.saved_tensors
+        g = grad_out.flatten(0, -2).bfloat16()
+        grad_w2 = g.T @ post
+        dpre = (2 * (g @ w2.bfloat16()) * post.float().sqrt()).bfloat16()
+        grad_w1 = dpre.T @ n
+        grad_x = (dpre @ w1.bfloat16()).view(*grad_out.shape[:-1], -1).to(ctx.x_dtype)
+        return grad_x, grad_w1.to(w1.dtype), grad_w2.to(w2.dtype), None, None, None
+
+
 class MLP(nn.Module):
+    """relu(x W1^T)^2 W2^T (or GELU). With cfg.fp8_mlp it keeps the record's FP8 scales (fp32, saved with the
+    model); GPT sets fp8 where the device runs FP8, and then the training forward is FP8MLPFunction's."""
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.c_fc = CastedLinear(cfg.model_dim, 4 * cfg.model_dim)
         self.c_proj = CastedLinear(4 * cfg.model_dim, cfg.model_dim, zero_init=cfg.zero_init)
         self.act = (lambda h: F.relu(h).square()) if cfg.mlp_act == "relu2" else F.gelu
+        self.fp8 = False
+        if cfg.fp8_mlp:  # T:1311-1313: W1's scale, W2's scale (used) and next scale, P's scale a
+            for name in ("fp8_up_scale", "fp8_down_scale", "fp8_down_next_scale", "fp8_act_scale"):
+                self.register_buffer(name, torch.ones((), dtype=torch.float32))
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.fp8 and self.training:
+            out, amax = FP8MLPFunction.apply(x, self.c_fc.weight, self.c_proj.weight, self.fp8_up_scale,
+                                             self.fp8_down_scale, self.fp8_act_scale)
+            with torch.no_grad():  # T:1670-1675: the next training forward's scale, from this one's amax
+                self.fp8_act_scale.copy_(amax.clamp(min=1e-12) * (FP8_MLP_ACT_HEADROOM / E4M3_MAX))
+            return out
         return self.c_proj(self.act(self.c_fc(x)))
+
+    @torch.no_grad()
+    def quantize_fp8(self, bootstrap: bool) -> None:
+        """After an optimizer step (T:1403-1434): W1's current scale; W2 takes its next scale (bootstrap: first set
+        from its amax, no headroom) and the next one becomes 1.12x its amax. The e4m3 copies are made in the
+        forward from these scales and the unchanged weights, so a checkpoint's scales restore them exactly."""
+        w1, w2 = self.c_fc.weight, self.c_proj.weight
+        self.fp8_up_scale.copy_(w1.abs().max().clamp(min=1e-12) / E4M3_MAX)  # in W1's dtype, as T:1420
+        if bootstrap:
+            self.fp8_down_next_scale.copy_(w2.abs().max().clamp(min=1e-12) / E4M3_MAX)
+        self.fp8_down_scale.copy_(self.fp8_down_next_scale)
+        amax = w2.float().abs().max()
+        self.fp8_down_next_scale.copy_(amax.clamp(min=1e-12) * (FP8_MLP_WEIGHT_HEADROOM / E4M3_MAX))
 
 
 class Block(nn.Module):
@@ -1312,10 +1404,11 @@ def unet_skips(cfg: ModelConfig) -> tuple[tuple[int, int], ...]:
 class GPT(nn.Module):
     """The model of a ModelConfig. What the machine decides comes in from build_model: the attention backend
     (attention_backend: banded or flex, compile_attention), the FP8 head's kernels (fp8_kernels: None for none,
-    else how fp8_kernel runs them) and the loss path (LossPath); the tools' KV cache comes with decode()."""
+    else how fp8_kernel runs them), whether the MLPs train in FP8 (fp8_mlp, with cfg.fp8_mlp) and the loss path
+    (LossPath); the tools' KV cache comes with decode()."""
 
     def __init__(self, cfg: ModelConfig, attention: str = "banded", compile_attention: bool = False,
-                 fp8_kernels: str | None = None, loss: "LossPath | None" = None):
+                 fp8_kernels: str | None = None, loss: "LossPath | None" = None, fp8_mlp: bool = False):
         super().__init__()
         self.loss = loss = LossPath() if loss is None else loss
         if loss.chunked and fp8_kernels is not None:
@@ -1342,6 +1435,8 @@ class GPT(nn.Module):
         self.register_buffer("bigram_signs", bigram_sign_table(bigram_dim) if cfg.bigram_sign else None,
                              persistent=False)
         self.blocks = nn.ModuleList(Block(cfg, i, self.roles) for i in range(cfg.n_layer))
+        for block in self.blocks:
+            block.mlp.fp8 = fp8_mlp and cfg.fp8_mlp
         self.skips = unet_skips(cfg) if cfg.unet_skips else ()  # (from, into) block pairs, by their target
         plain_skips = cfg.unet_skips and not cfg.skip_sigmoid
         self.skip_weights = nn.Parameter(torch.ones(len(self.skips))) if plain_skips else None
@@ -1352,7 +1447,7 @@ class GPT(nn.Module):
         self.smear_lambda = nn.Parameter(torch.zeros(1)) if cfg.smear else None  # the record: no smear at first
         self.backout_lambda = nn.Parameter(torch.tensor([BACKOUT_LAMBDA_INIT])) if cfg.backout else None
         self.lm_head = CastedLinear(cfg.model_dim, next_multiple(cfg.vocab_size, 128), zero_init=cfg.zero_init,
-                                    fp8=fp8_kernels)
+                                    fp8=fp8_kernels, fp8_scales=FP8_HEAD_SCALES[cfg.fp8_head_scales])
         if cfg.head_init_std:
             nn.init.normal_(self.lm_head.weight, mean=0.0, std=cfg.head_init_std)  # M L1073
         self.embed_from_head = False  # track 2 (M L1148-1152): tokens are looked up in the head's weight while tied
@@ -1820,7 +1915,7 @@ def build_model(args: Hyperparameters, rt: Runtime) -> GPT:
             else LossPath(chunked=rt.chunked_loss, prefix_tokens=prefix))
     fp8_kernels = ("inductor" if rt.compile_fp8 else "eager") if rt.fp8_head else None
     model = GPT(ModelConfig.of(args), attention=rt.attention, compile_attention=rt.compile_attention,
-                fp8_kernels=fp8_kernels, loss=loss).to(rt.device)
+                fp8_kernels=fp8_kernels, loss=loss, fp8_mlp=rt.fp8_mlp).to(rt.device)
     for module in model.modules():
         if isinstance(module, nn.Embedding):
             module.to(rt.dtype)
@@ -1828,7 +1923,15 @@ def build_model(args: Hyperparameters, rt: Runtime) -> GPT:
         for name, p in model.named_parameters():
             if name == "lm_head.weight" or name.endswith("_gate"):
                 p.data = p.data.to(rt.dtype)
+    quantize_mlp_fp8(model, bootstrap=True)  # T:2258: the initial weights' scales
     return model
+
+
+def quantize_mlp_fp8(model: nn.Module, bootstrap: bool) -> None:
+    """The FP8 MLPs' scales after an optimizer step (MLP.quantize_fp8); nothing without --fp8_mlp."""
+    for module in model.modules():
+        if isinstance(module, MLP) and hasattr(module, "fp8_up_scale"):
+            module.quantize_fp8(bootstrap)
 
 
 # -----------------------------------------------------------------------------
@@ -3330,6 +3433,25 @@ TECHNIQUES: tuple[Technique, ...] = (
         reads_previous_token=True,
         only_when=(only_if(("bigram_dim",), lambda a: a.bigram_vocab_size > 0, "a --bigram_vocab_size above 0",
                            lambda a: "--bigram_vocab_size=0 (no bigram table)"),)),
+    # the MLP in FP8: its up projection (2026-05-19), then its down projection (2026-07-17); record #89 only
+    Technique(
+        "fp8_mlp", ("2026-05-19_FP8MLPUpProj", "2026-07-17_FP8DownProjection"), "model", {"fp8_mlp": ANY_BOOL}, {},
+        left_out={preset: "a record #89 technique (--recipe=record)" for preset in PRESETS},
+        refusals=(
+            Refusal(lambda a: a.fp8_mlp and a.mlp_act != "relu2",
+                    lambda a: f"--fp8_mlp=true is the record's FP8 relu^2 MLP and this run has --mlp_act={a.mlp_act}; "
+                              "pass --mlp_act=relu2 or --fp8_mlp=false"),)),
+    # the head's FP8 scales of record #89 (x and g since the retied head, W since the value-embedding gates)
+    Technique(
+        "fp8_head_scales", ("2025-12-19_RetieLMHead", "2025-12-29_VeSkipGates"), "model",
+        {"fp8_head_scales": one_of(*FP8_HEAD_SCALES)}, {},
+        left_out={preset: "a record #89 technique (--recipe=record)" for preset in PRESETS},
+        refusals=(
+            Refusal(lambda a: a.fp8_head_scales == "record" and not a.loss_sum,
+                    lambda a: "--fp8_head_scales=record scales the gradient of the summed loss, and this run has "
+                              "--loss_sum=false; pass --loss_sum=true or --fp8_head_scales=reference"),),
+        only_when=(only_if(("fp8_head_scales",), lambda a: a.fp8_head, "--fp8_head=true",
+                           lambda a: "--fp8_head=false (a bf16 head)"),)),
     Technique(
         "smear", ("2025-09-18_Smear",), "model", {"smear": ANY_BOOL}, everywhere(smear=True),
         refusals=(gates_need_width("smear"),), reads_previous_token=True, gate_lrs={"smear_gate": 0.01 / 5}),
@@ -3578,6 +3700,8 @@ RECORD_VALUES: dict[str, dict[str, object]] = {
         logit_softcap=23.0, logit_offset=5.0,  # T:1690, K:1210 (A=23, B=5, C=7.5): 23 sigmoid((logits + 5) / 7.5)
         cross_document_shifts=True,  # K:1073-1079 MTP targets cut at the sequence's end only; smear T:1548, keys T:1113
         # the FP8 MLP (T:1403-1434, K:443-713)
+        fp8_mlp=True,  # T:1498: FP8 up and down projections in training (bf16 where the GPU has no FP8)
+        fp8_head_scales="record",  # T:1225: x_s 100/448, w_s 1.6/448, grad_s grad_scale * 0.75/448 (grad_scale 1)
         # schedules, optimizers and data (T:1886-2110)
         num_iterations=1285, extension_steps=15, val_every=250,  # T:1890-1891 (1270 + 15 steps), T:1898
         batch_tokens=393216, batch_schedule="1/3,2/3,1", rounded_stages=True,  # T:1980-1987 (8, 16, 24 x 16K), T:1943
@@ -3608,6 +3732,8 @@ RECORD_VALUES: dict[str, dict[str, object]] = {
         mtp_tokens=3, loss_weights_by_stage=True, prefix_loss_weight=0.25, loss_sum=True, bf16_train_logits=True,
         logit_softcap=23.0, logit_offset=5.0, cross_document_shifts=True,
         # the FP8 MLP
+        fp8_mlp=False,  # T:1498 runs it on FP8 GPUs only; a CPU has no FP8 matmul (and _scaled_mm there is slow)
+        fp8_head_scales="record",  # T:1225 (the head runs bf16 on a CPU; the scales are what an FP8 GPU would use)
         # schedules, optimizers and data: the speedrun's values and forms at 60 steps (never tuned): 59 scheduled +
         # 1 extension (15/1285 of 60 = 0.7), stage starts round(59k/3) = 20, 39, the tie split 39 | 1, momentum
         # warm-up 300 x 60/1285 = 14 and cool-down 50 x 60/1285 = 2, validation every 250 x 60/1285 = 12; the
@@ -3843,6 +3969,7 @@ class Runtime(Place):
     chunked_loss: bool = False  # head + loss a chunk of rows at a time (ChunkedHeadLoss): the CPU path
     compile_attention: bool = False  # flex_attention compiled on its own: the model around it is not compiled
     host_malloc: str = "default"  # glibc's settings on a CPU run (keep_freed_host_memory)
+    fp8_mlp: bool = False  # the MLPs' training forward in FP8 (--fp8_mlp on a device with FP8 matmuls)
 
     # What a whole-model compile (--compile=model) decides besides the model, each in one place:
     @property
@@ -3864,7 +3991,8 @@ class Runtime(Place):
 
     def resolved(self) -> dict:
         """What start-up decided (not what was asked for): the summary and checkpoints record this."""
-        return {"attention": self.attention, "fp8_head": self.fp8_head, "compile": self.compile,
+        return {"attention": self.attention, "fp8_head": self.fp8_head, "fp8_mlp": self.fp8_mlp,
+                "compile": self.compile,
                 "dtype": str(self.dtype).removeprefix("torch."), "device": str(self.device),
                 "chunked_loss": self.chunked_loss, "compile_attention": self.compile_attention,
                 "compile_fp8": self.compile_fp8, "compile_newton_schulz": self.compile_newton_schulz,
@@ -3929,9 +4057,9 @@ def join_process_group(args: Hyperparameters) -> Place:
     return Place(rank, local_rank, world_size, device)
 
 
-def choose_runtime(place: Place, args: Hyperparameters) -> Runtime:
-    """The device's dtype and kernels for this run's hyperparameters."""
-    kernels = choose_kernels(args, place.device.type, fp8_supported(place.device))
+def choose_runtime(place: Place, args: Hyperparameters, explicit: typing.Collection[str] = ()) -> Runtime:
+    """The device's dtype and kernels for this run's hyperparameters (explicit: the flags the command line set)."""
+    kernels = choose_kernels(args, place.device.type, fp8_supported(place.device), explicit)
     if kernels["compile"] == "model":
         configure_inductor(args)
     return Runtime(**vars(place), dtype=torch.bfloat16 if args.dtype == "bf16" else torch.float32, **kernels,
@@ -3942,8 +4070,15 @@ def setup_runtime(args: Hyperparameters) -> Runtime:
     return choose_runtime(join_process_group(args), args)
 
 
-def choose_kernels(args: Hyperparameters, device_type: str, fp8_capable: bool) -> dict:
-    """Runtime's kernel choices for a device: attention, FP8 head, what is compiled, the head + loss path."""
+def choose_kernels(args: Hyperparameters, device_type: str, fp8_capable: bool,
+                   explicit: typing.Collection[str] = ()) -> dict:
+    """Runtime's kernel choices for a device: attention, FP8 head and MLP, what is compiled, the head + loss path.
+    FP8 a recipe asks for runs in bf16 where the device has none; FP8 the command line asks for is refused there."""
+    for name in ("fp8_head", "fp8_mlp"):
+        if name in explicit and getattr(args, name) and not fp8_capable:
+            raise UsageError(f"--{name}=true needs FP8 matmuls (a CUDA GPU of compute capability >= 8.9, as H100) "
+                             f"and this run is on {device_type} without them: drop --{name} (bf16 runs there) "
+                             f"or pass --{name}=false")
     attention = args.attention if args.attention != "auto" else ("flex" if device_type == "cuda" else "banded")
     if attention == "flex" and device_type != "cuda":  # torch's flex_attention has no backward off CUDA
         raise UsageError(f"--attention=flex needs a CUDA GPU and this run is on {device_type}: pass --attention=banded "
@@ -3954,7 +4089,7 @@ def choose_kernels(args: Hyperparameters, device_type: str, fp8_capable: bool) -
     # On CPU the full fp32 logits cost more than the head matmuls; GPUs and whole-model compiles keep the plain loss.
     # Uncompiled flex_attention materializes the whole score matrix (58 GB per layer at 48K tokens): outside a
     # compiled model it is compiled on its own, as PyTorch's documentation prescribes.
-    return dict(attention=attention, fp8_head=fp8_head, compile=compile_mode,
+    return dict(attention=attention, fp8_head=fp8_head, fp8_mlp=args.fp8_mlp and fp8_capable, compile=compile_mode,
                 chunked_loss=device_type == "cpu" and not fp8_head and compile_mode != "model",
                 compile_attention=attention == "flex" and compile_mode != "model")
 
@@ -4079,7 +4214,7 @@ def start(argv: list[str]) -> tuple[Hyperparameters, Runtime, RunFolder, Path | 
             and "preset" not in overrides):
         print("no GPU found: running the cpu preset (small model, bundled sample data); "
               "pass --preset=speedrun to force the reference recipe", flush=True)
-    rt = choose_runtime(place, args)
+    rt = choose_runtime(place, args, overrides)
     check_data(args, place.is_master)
     hellaswag = downstream_inputs(args, rt)
     folder = claim_run_folder(Path(args.log_dir), args.run_id, args.preset, args.resume, rt, checkpoint)
@@ -4140,6 +4275,7 @@ def warm_up(run: Run) -> None:
     run.stream.load_state(live.loader)
     run.model.zero_grad(set_to_none=True)  # what Adam held between its steps (adam_every) goes with the rest
     run.opt.held_accum = None
+    quantize_mlp_fp8(run.model, bootstrap=True)  # T:2300: the restored weights' scales (P's scale is back at 1)
 
 
 def warm_up_steps(warmup_steps: int, batches: BatchSchedule) -> list[int]:
@@ -4234,6 +4370,7 @@ def train_step(run: Run, step: int) -> Tensor:
         loss.backward()
         losses.append(loss.detach() / x.numel() if args.loss_sum else loss.detach())
     run.opt.step(lr_multiplier_at(run, step), muon_momentum_at(step, args), accum)
+    quantize_mlp_fp8(run.model, bootstrap=step < FP8_MLP_BOOTSTRAP_STEPS)  # T:2365
     if args.tied_embed_steps and step == args.tied_embed_steps:
         run.opt.untie(run.model.lm_head.weight, run.model.embed.weight)
     run.opt.zero_grad(run.model)
@@ -4475,7 +4612,7 @@ def write_log_header(log: RunLog, args: Hyperparameters, rt: Runtime, run_id: st
                  environment_lines(rt) if rt.is_master else [])
     for line in [f"run {run_id}: preset {args.preset}, {rt.world_size} rank(s) x {accum} micro-step(s), "
                  f"{device_name(rt)}, attention {rt.attention}, fp8 head {rt.fp8_head}, compile {rt.compile}",
-                 left_out_line(args), *device_notes(args.fp8_head, rt)]:
+                 left_out_line(args), *device_notes(args.fp8_head, rt, args.fp8_mlp)]:
         if line:
             log.write(line)
     return sources

@@ -323,7 +323,8 @@ def test_gpu_check_reads_the_summary_of_a_real_run(tiny_run):
     assert summary["peak_memory_mib"] > 0 and summary["recompiles_after_warmup"] == 0
     assert summary["runtime"] == {"attention": "banded", "fp8_head": False, "compile": "off", "dtype": "bfloat16",
                                   "device": "cpu", "chunked_loss": True, "compile_attention": False, "world_size": 1,
-                                  "compile_fp8": False, "compile_newton_schulz": False, "grad_sync_from_hooks": True,
+                                  "compile_fp8": False, "fp8_mlp": False,
+                                  "compile_newton_schulz": False, "grad_sync_from_hooks": True,
                                   "host_malloc": "glibc mmap_threshold=268435456,trim_threshold=1073741824,top_pad=268435456",
                                   "grad_accum_steps": 2,
                                   "batch_stages": [[0, 512, 2]]}  # one stage from step 0: 512 tokens, 2 micro-steps

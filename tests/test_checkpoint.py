@@ -128,7 +128,8 @@ def test_sigterm_on_one_rank_checkpoints_all_ranks_and_resume_continues(tmp_path
     meta = json.loads((ckpts[0] / "checkpoint.json").read_text())
     assert meta["runtime"] == {"attention": "banded", "fp8_head": False, "compile": "off", "dtype": "bfloat16",
                                "device": "cpu", "chunked_loss": True, "compile_attention": False,
-                               "compile_fp8": False, "compile_newton_schulz": False, "grad_sync_from_hooks": True,
+                               "compile_fp8": False, "fp8_mlp": False,
+                               "compile_newton_schulz": False, "grad_sync_from_hooks": True,
                                "host_malloc": "glibc mmap_threshold=268435456,trim_threshold=1073741824,top_pad=268435456",
                                "world_size": 2}  # resolved, not "auto"/true
     assert meta["step"] == stopped_at and meta["format"] == checkpoints.CHECKPOINT_FORMAT
@@ -283,3 +284,23 @@ def test_resume_auto_needs_a_run_id(tmp_path):
     assert result.returncode == 2 and result.stderr.strip() == (
         "error: --resume=auto needs --run_id=NAME: a restarted run finds its checkpoints under log_dir/NAME (and "
         "never another run's)")
+
+
+def test_an_fp8_mlp_run_resumes_bit_identically_with_its_scales(tmp_path, monkeypatch):
+    """--fp8_mlp (here on the CPU's _scaled_mm): the checkpoint holds each MLP's four FP8 scales, P's delayed one
+    included, and the resumed run's losses, weights and scales equal the uninterrupted run's."""
+    monkeypatch.setattr(T, "fp8_supported", lambda device: True)
+    args = SIX + ["--fp8_mlp=true", "--fp8_head=false", "--zero_init=false", "--checkpoint_final=true"]
+    assert run_main(args + ["--run_id=whole"], tmp_path / "whole").returncode == 0
+    first = run_main(args + ["--run_id=first", "--stop_after=3"], tmp_path / "parts")
+    assert first.returncode == 0, first.stderr[-2000:]
+    scales = checkpoints.read_checkpoint_tensors(tmp_path / "parts" / "first" / "step_000003", "model/")
+    scales = {k: v for k, v in scales.items() if ".mlp.fp8_" in k}
+    assert len(scales) == 8 and scales["blocks.0.mlp.fp8_act_scale"].item() != 1.0
+    second = run_main(args + ["--run_id=second", "--resume=latest"], tmp_path / "parts")
+    assert second.returncode == 0, second.stderr[-2000:]
+    uninterrupted = train_losses((tmp_path / "whole" / "whole.txt").read_text())
+    resumed = train_losses((tmp_path / "parts" / "second.txt").read_text())
+    assert sorted(resumed) == [4, 5, 6] and all(resumed[s] == uninterrupted[s] for s in resumed)
+    a, b = final_model(tmp_path / "whole", "whole"), final_model(tmp_path / "parts", "second")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

@@ -103,6 +103,7 @@ BAD_VALUES = {  # field: (a value just inside the valid range, values outside it
     "adam_beta2": ("0.999", ["1.5", "1"]), "adam_eps": ("1e-30", ["0", "nan"]), "head_lr": ("0", ["nan"]),
     "embed_lr": ("0", ["-1"]), "scalar_lr": ("0", ["nan"]), "matrix_adam_lr": ("0", ["inf"]),
     "weight_decay": ("0", ["-0.1", "nan"]), "dtype": ("fp32", ["fp16"]), "fp8_head": ("false", ["x"]),
+    "fp8_mlp": ("false", ["x"]), "fp8_head_scales": ("reference", ["x", "2"]),
     "attention": ("banded", ["xformers"]), "compile": ("off", ["always"]), "warmup_steps": ("0", ["-1"]),
     "coordinate_descent_tuning": ("false", ["maybe"]),
     "collective_timeout_s": ("1", ["0", "-5"]), "log_dir": ("logs", [""]),
@@ -243,6 +244,7 @@ UNUSED = {
     "muon_gate_lr_mul": ["--muon_gate_lr_mul=0.2"],
     "rounded_stages": ["--rounded_stages=true"], "extension_window_blocks": ["--extension_window_blocks=13"],
     "stage_doc_len_caps": ["--bos_align=true", "--stage_doc_len_caps=896"],
+    "fp8_head_scales": ["--fp8_head=false", "--loss_sum=true", "--fp8_head_scales=record"],
 }
 
 

@@ -938,3 +938,207 @@ def test_the_prefix_token_loss_and_its_gradient_match_a_token_by_token_reference
     plain.load_state_dict(model.state_dict())
     with torch.no_grad():
         assert mean.item() == plain.eval()(x, y, T.window_tensor(1)).item()
+
+
+# ----------------------------------------------------------------------------- FP8 MLP (record #89, §4.5)
+
+def e4m3(x):
+    return x.to(torch.float8_e4m3fn).float()
+
+
+class RecordFP8MLP:
+    """A slow direct reading of the fidelity audit's §4.5: explicit e4m3 casts, fp32 matmuls, the record's state
+    (W1's current scale, W2's used and next scales, P's scale a) updated as quantize_mlp_fp8 and the forward do."""
+
+    def __init__(self, w1, w2):
+        self.a = torch.tensor(1.0)
+        self.s_next = torch.tensor(1.0)
+        self.after_step(w1, w2, bootstrap=True)
+
+    def after_step(self, w1, w2, bootstrap):
+        self.s1 = (w1.abs().max().clamp(min=1e-12) / 448).float()
+        self.w1_f8 = e4m3(w1 / self.s1.to(w1.dtype))
+        if bootstrap:  # no headroom: the current amax
+            self.s_next = (w2.abs().max().clamp(min=1e-12) / 448).float()
+        self.w2_f8 = e4m3((w2.float() / self.s_next).clamp(-448, 448))
+        self.s_used = self.s_next
+        self.s_next = w2.float().abs().max().clamp(min=1e-12) * (1.12 / 448)
+
+    def forward(self, x):
+        n = x.bfloat16()
+        m = n.abs().max().clamp(min=1e-12)
+        n_f8 = e4m3(n * (448 / m))
+        pre = ((n_f8 @ self.w1_f8.T) * (self.s1 * m.float() / 448)).bfloat16()
+        post = F.relu(pre).square()
+        post_f8 = e4m3(torch.clamp(post.float() / self.a, max=448))
+        y = ((post_f8 @ self.w2_f8.T) * (self.a * self.s_used)).bfloat16()
+        self.a = post.float().max().clamp(min=1e-12) * (1.80 / 448)  # training forwards only (K:519)
+        return y, post
+
+
+def fp8_mlp(seed=0):
+    torch.manual_seed(seed)
+    mlp = T.MLP(T.ModelConfig.of(small_args("--fp8_mlp=true", "--zero_init=false"))).train()
+    mlp.fp8 = True
+    with torch.no_grad():
+        mlp.c_proj.weight.normal_(std=0.02)
+    T.quantize_mlp_fp8(mlp, bootstrap=True)
+    return mlp
+
+
+def mlp_input(seed, rows=64, d=64):
+    return torch.randn(rows, d, generator=torch.Generator().manual_seed(seed)).bfloat16()
+
+
+def test_fp8_mlp_follows_the_record_through_bootstrap_delayed_scales_and_clipping():
+    """Steps 0-15 bootstrap W2's scale, then it lags a step with 1.12x headroom; W2 growing 1.5x in one step clips.
+    P's scale a is 1 at first, then 1.8x the previous training forward's amax; eval forwards are bf16 and leave it."""
+    mlp = fp8_mlp()
+    ref = RecordFP8MLP(mlp.c_fc.weight.detach(), mlp.c_proj.weight.detach())
+    assert mlp.fp8_act_scale.item() == 1.0
+    clipped = False
+    for step in range(20):
+        for micro in range(2):
+            x = mlp_input(100 * step + micro)
+            y = mlp(x)
+            y_ref, post = ref.forward(x)
+            # the same e4m3 operands; fp32 sums in another order may flip a bf16 rounding or a P element's e4m3
+            torch.testing.assert_close(y.float(), y_ref.float(), rtol=1e-2, atol=5e-3 * y_ref.abs().max().item())
+            assert torch.equal(mlp.fp8_act_scale, ref.a), (step, micro)  # per micro-step
+        with torch.no_grad():
+            before = mlp.fp8_act_scale.clone()
+            plain = mlp.c_proj(F.relu(mlp.c_fc(x)).square())
+            assert torch.equal(mlp.eval()(x), plain) and torch.equal(mlp.fp8_act_scale, before)
+            mlp.train()
+            gen = torch.Generator().manual_seed(step)
+            mlp.c_fc.weight.add_(torch.randn(mlp.c_fc.weight.shape, generator=gen) * 0.01)
+            mlp.c_proj.weight.mul_(1.5 if step == 17 else 1.0).add_(
+                torch.randn(mlp.c_proj.weight.shape, generator=gen) * 0.002)
+        T.quantize_mlp_fp8(mlp, bootstrap=step < T.FP8_MLP_BOOTSTRAP_STEPS)
+        ref.after_step(mlp.c_fc.weight.detach(), mlp.c_proj.weight.detach(), bootstrap=step < 16)
+        for mine, theirs in [(mlp.fp8_up_scale, ref.s1), (mlp.fp8_down_scale, ref.s_used),
+                             (mlp.fp8_down_next_scale, ref.s_next)]:
+            assert torch.equal(mine, theirs), step
+        amax = mlp.c_proj.weight.abs().max()
+        headroom = (amax / (mlp.fp8_down_scale * 448)).item()
+        assert headroom == pytest.approx(1.0, rel=1e-6) if step < 16 else headroom < 1.0 or step == 17
+        clipped |= bool((ref.w2_f8.abs() == 448).sum() > 1)
+    assert clipped  # step 17's weights outgrew the 12% headroom
+
+
+def test_fp8_mlp_backward_is_bf16_from_the_saved_operands():
+    """dW2 = P^T g, dpre = 2 (g W2^T) sqrt(P), dW1 = dpre^T n, dx = dpre W1: autograd of relu(pre)^2 W2^T in fp32
+    with pre's value replaced by sqrt(P) (the FP8 forward's P) and its gradient through n W1^T."""
+    mlp = fp8_mlp(seed=1)
+    x = mlp_input(7).requires_grad_()
+    g = mlp_input(8)
+    (mlp(x) * g).sum().backward()
+    ref = RecordFP8MLP(mlp.c_fc.weight.detach(), mlp.c_proj.weight.detach())
+    _, post = ref.forward(x.detach())
+    n = x.detach().float().requires_grad_()
+    w1 = mlp.c_fc.weight.detach().bfloat16().float().requires_grad_()
+    w2 = mlp.c_proj.weight.detach().bfloat16().float().requires_grad_()
+    h = n @ w1.T
+    pre = h - h.detach() + post.float().sqrt()
+    ((F.relu(pre).square() @ w2.T) * g.float()).sum().backward()
+    for got, want in [(x.grad, n.grad), (mlp.c_fc.weight.grad, w1.grad), (mlp.c_proj.weight.grad, w2.grad)]:
+        torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
+        assert ((got.float() - want).norm() / want.norm()).item() < 4e-3  # bf16 roundings, no bias
+    assert mlp.c_fc.weight.grad.dtype == mlp.c_fc.weight.dtype and x.grad.dtype == torch.bfloat16
+
+
+def test_fp8_mlp_state_round_trips_and_exists_only_with_the_flag():
+    """The scales (P's included) are model buffers: a state_dict round trip (what checkpoints and the warm-up's
+    restore copy) gives the same next forward, bit for bit; without --fp8_mlp there is no such state."""
+    args = small_args("--fp8_mlp=true", "--zero_init=false")
+    tokens = tokens_with_docs(1025, [0, 300])
+    rt = T.Runtime(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"), dtype=torch.bfloat16,
+                   attention="banded", fp8_head=False, compile="off", fp8_mlp=True)
+    models = []
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        models.append(T.build_model(args, rt))
+    trained, fresh = models
+    mlp = fresh.blocks[1].mlp  # build_model's bootstrap (T:2258): current amax, no headroom; a at 1
+    assert mlp.fp8 and mlp.fp8_act_scale.item() == 1.0
+    assert mlp.fp8_up_scale == mlp.c_fc.weight.abs().max() / 448
+    assert mlp.fp8_down_scale == mlp.c_proj.weight.abs().max() / 448
+    for step in range(3):
+        trained(tokens[:-1], tokens[1:], T.window_tensor(2)).backward()
+        with torch.no_grad():
+            for p in trained.parameters():
+                p.sub_(0.01 * p.grad.sign()) if p.grad is not None else None
+        T.quantize_mlp_fp8(trained, bootstrap=False)
+    state = trained.state_dict()
+    names = {k for k in state if ".fp8_" in k}
+    assert len(names) == 4 * args.n_layer and state["blocks.1.mlp.fp8_act_scale"].item() != 1.0
+    fresh.load_state_dict(state)
+    for model in (trained, fresh):
+        model.zero_grad(set_to_none=True)
+    a, b = (m(tokens[:-1], tokens[1:], T.window_tensor(2)) for m in (trained, fresh))
+    assert torch.equal(a, b)
+    assert torch.equal(trained.blocks[0].mlp.fp8_act_scale, fresh.blocks[0].mlp.fp8_act_scale)
+    plain = T.GPT(T.ModelConfig.of(small_args()))
+    assert not any(".fp8_" in k for k in plain.state_dict()) and not plain.blocks[0].mlp.fp8
+
+
+def test_a_run_refreshes_the_fp8_mlp_scales_after_each_step_and_restarts_them_after_the_warm_up(
+        monkeypatch, tmp_path):
+    """T:2258-2365's calls: the initial bootstrap, one after each warm-up step, one after the restore (P's scale
+    back at 1), one after each training step (bootstrap through step 15). FP8 on this CPU through _scaled_mm."""
+    from conftest import TINY, run_main
+    calls, quantize = [], T.quantize_mlp_fp8
+
+    def spy(model, bootstrap):
+        calls.append((bootstrap, sorted({m.fp8_act_scale.item() for m in model.modules() if isinstance(m, T.MLP)})))
+        quantize(model, bootstrap)
+
+    monkeypatch.setattr(T, "fp8_supported", lambda device: True)
+    monkeypatch.setattr(T, "quantize_mlp_fp8", spy)
+    flags = ["--fp8_mlp=true", "--fp8_head=false", "--warmup_steps=2", "--num_iterations=18", "--val_every=0"]
+    result = run_main([*TINY, *flags], tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert [bootstrap for bootstrap, _ in calls] == [True] * 4 + [True] * 16 + [False] * 2
+    assert calls[0][1] == [1.0] and calls[3][1] == [1.0] and 1.0 not in calls[2][1] and 1.0 not in calls[4][1]
+
+
+@pytest.mark.parametrize("name", ["fp8_mlp", "fp8_head"])
+def test_fp8_asked_on_the_command_line_without_fp8_matmuls_is_refused_in_one_line(name):
+    """A recipe's FP8 runs in bf16 where the device has none (fp8_head's default); the command line's is refused."""
+    args = small_args(f"--{name}=true")
+    with pytest.raises(T.UsageError) as e:
+        T.choose_kernels(args, "cpu", False, explicit={name: True})
+    assert str(e.value).startswith(f"--{name}=true needs FP8 matmuls") and "\n" not in str(e.value)
+    assert f"pass --{name}=false" in str(e.value)
+    quiet = T.choose_kernels(args, "cpu", False)
+    assert not quiet["fp8_head"] and not quiet["fp8_mlp"]
+    assert T.choose_kernels(args, "cuda", True, explicit={name: True})[name]
+
+
+def test_the_record_recipe_runs_the_fp8_mlp_on_the_speedrun_preset_only_and_the_head_at_its_scales():
+    """(--loss_sum=true: the loss section's record value, which the record head's g scale needs.)"""
+    speedrun, cpu = (T.parse_args([f"--preset={p}", "--recipe=record", "--loss_sum=true"], False)
+                     for p in ("speedrun", "cpu"))
+    assert speedrun.fp8_mlp and not cpu.fp8_mlp and speedrun.fp8_head_scales == cpu.fp8_head_scales == "record"
+    plain = T.parse_args(["--preset=speedrun"], False)
+    assert not plain.fp8_mlp and plain.fp8_head_scales == "reference"
+    with pytest.raises(T.UsageError) as e:
+        T.parse_args(["--preset=speedrun", "--fp8_head_scales=record"], False)
+    assert "--loss_sum=false; pass --loss_sum=true" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_the_record_head_scales_reach_the_fp8_matmul_forward_and_backward(monkeypatch):
+    """T:1225: x/(100/448) and W/(1.6/448) in e4m3, g/(0.75/448) in e5m2; the reference's 2, 2^9, 2^19 otherwise."""
+    seen = []
+    forward, backward = T.fp8_forward_math, T.fp8_backward_math
+    monkeypatch.setattr(T, "fp8_forward_math", lambda x, w, xs, ws: seen.append((xs, ws)) or forward(x, w, xs, ws))
+    monkeypatch.setattr(T, "fp8_backward_math",
+                        lambda g, x8, w8, xs, ws, gs: seen.append(gs) or backward(g, x8, w8, xs, ws, gs))
+    for scales, expected in [("record", [(4.48, 280.0), 448 / 0.75]), ("reference", [(2.0, 512.0), 2.0 ** 19])]:
+        args = small_args(f"--fp8_head_scales={scales}", "--loss_sum=true", "--zero_init=false")
+        model = T.GPT(T.ModelConfig.of(args), fp8_kernels="eager")
+        assert model.lm_head.fp8_scales == T.FP8_HEAD_SCALES[scales]
+        x = T.rms_norm(torch.randn(8, 64)).bfloat16().requires_grad_()
+        model.lm_head(x).float().sum().backward()
+        assert seen == [(pytest.approx(expected[0][0]), pytest.approx(expected[0][1])), pytest.approx(expected[1])]
+        seen.clear()

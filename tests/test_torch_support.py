@@ -110,7 +110,10 @@ def test_a_gpu_node_whose_torch_cannot_use_its_gpus_is_refused_in_one_line(monke
 @pytest.mark.parametrize("capability, flags, note", [
     ((8, 0), [], "fp8 head: off: NVIDIA A100-SXM4-80GB (compute capability 8.0) has no FP8 matmuls (needs >= 8.9, "
                  "as H100, H200, L40S); the LM head runs in bf16"),
-    ((9, 0), [], None), ((8, 0), ["--fp8_head=false"], None)])
+    ((9, 0), [], None), ((8, 0), ["--fp8_head=false"], None),
+    ((8, 0), ["--fp8_head=false", "--fp8_mlp=true"], "fp8 mlp: off: NVIDIA A100-SXM4-80GB (compute capability 8.0) "
+                                                     "has no FP8 matmuls (needs >= 8.9, as H100, H200, L40S); the "
+                                                     "MLPs train in bf16"), ((9, 0), ["--fp8_mlp=true"], None)])
 def test_a_gpu_without_fp8_says_once_that_the_head_runs_in_bf16(monkeypatch, capability, flags, note):
     """The run log's notes on what the device changes (write_log_header writes them once, on rank 0)."""
     import torch
@@ -121,7 +124,7 @@ def test_a_gpu_without_fp8_says_once_that_the_head_runs_in_bf16(monkeypatch, cap
     device = torch.device("cuda", 0)
     rt = T.Runtime(rank=0, local_rank=0, world_size=1, device=device, dtype=torch.bfloat16,
                    **T.choose_kernels(args, "cuda", T.fp8_supported(device)))
-    assert T.device_notes(args.fp8_head, rt) == ([note] if note else [])
+    assert T.device_notes(args.fp8_head, rt, args.fp8_mlp) == ([note] if note else [])
 
 
 @pytest.mark.torch_range
