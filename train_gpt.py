@@ -2689,6 +2689,18 @@ def is_x0_lambda(name: str) -> bool:
     return name.endswith(("x0_lambda", "x02_lambda"))
 
 
+# Record #89's stream parameters in Adam (T:2035-2049): (lr_mul on the base lr, which is the head's, betas, decayed).
+# MUDD's and the gate generators' matrices decay as the others (lr^2 x adam_cautious_wd); biases, scales and lambdas
+# do not (wd_mul 0).
+RECORD_STREAM_ADAM = {
+    "resid_lambdas": (5.0, (0.9, 0.95), False), "post_lambdas": (1.0, (0.9, 0.95), False),  # T:2035-2036
+    "mudd_w1": (0.25, (0.9, 0.99), True), "mudd_w2": (0.25, (0.9, 0.99), True),  # T:2043-2044
+    "mudd_b2": (0.25, (0.9, 0.99), False),  # T:2045
+    "mudd_gate_w1": (0.1, (0.9, 0.99), True), "mudd_gate_w2": (0.1, (0.9, 0.99), True),  # T:2046-2047
+    "mudd_gate_b2": (0.1, (0.9, 0.99), False), "mudd_gate_scale": (0.1, (0.9, 0.99), False),  # T:2048-2049
+}
+
+
 def adam_groups(model: GPT, args: Hyperparameters, in_muon: list[Tensor]) -> list[AdamGroup]:
     """Adam's parameters and settings: the head, the embeddings and the scalars (gates, lambdas) not in Muon, and the
     hidden matrices without Muon. The gates' weights count as scalars, at their technique's gate_lrs share of the
@@ -2702,6 +2714,10 @@ def adam_groups(model: GPT, args: Hyperparameters, in_muon: list[Tensor]) -> lis
     groups = []
     for name, p in model.named_parameters():
         if any(p is q for q in in_muon):
+            continue
+        if name in RECORD_STREAM_ADAM:  # record #89's stream, at its own lrs and betas
+            lr_mul, betas, decayed = RECORD_STREAM_ADAM[name]
+            groups.append(AdamGroup(p, args.head_lr * lr_mul, cautious_wd=adam_wd if decayed else 0.0, betas=betas))
             continue
         if name == "lm_head.weight":
             groups.append(AdamGroup(p, args.head_lr, args.weight_decay, adam_wd * args.head_embed_wd_mul))
@@ -2733,7 +2749,8 @@ def build_optimizers(model: GPT, args: Hyperparameters, rank: int, world_size: i
     hidden = [p for p in model.blocks.parameters() if p.ndim >= 2 and not any(p is g for g in gates)]
     in_muon = hidden + muon_gates if args.muon else []
     groups = adam_groups(model, args, in_muon)
-    small = [g.param for g in groups if g.param.ndim < 2 or any(g.param is q for q in gates)]
+    stream = [p for name, p in model.named_parameters() if name in RECORD_STREAM_ADAM]  # small, replicated (T:2035)
+    small = [g.param for g in groups if g.param.ndim < 2 or any(g.param is q for q in gates + stream)]
     muon_part = muon_buckets(in_muon, world_size)
     adam_part = adam_buckets([g.param for g in groups], small, world_size)
     assert sum(b.numel() for b in muon_part + adam_part) == sum(p.numel() for p in model.parameters())
@@ -3681,13 +3698,35 @@ def v2_values(preset: str) -> dict[str, object]:
 RECORD_VALUES: dict[str, dict[str, object]] = {
     "speedrun": dict(
         # the layout and the residual stream (T:1208-1500, T:1530-1690)
+        n_layer=11, long_window_blocks="3,10", attention_free_blocks="6",  # T:2236; T:1494 (bm_sizes), T:1592
+        paired_head_blocks="0,2,5,9", value_embed_blocks="1,2,8,9,10",  # T:1252; T:1543 (tables 0-4 in turn)
+        key_offset=True, value_embeds=True, pad_embed_tables=True,  # T:1496 (long windows); T:1216-1261 (50304)
+        unet_skips=True, skip_connections="3>6", skip_sigmoid=True,  # T:1592-1595, T:1346 (lambda -1.5)
+        sublayer_lambdas=True, attention_cache_block=7, mudd=True,  # T:1334-1338; T:1598; T:1352-1401, T:1677
+        mudd_gate_block=4, output_gate_blocks="3,10", xsa_blocks="1,3,4,7", dc_blocks="10",  # T:1238-1240, T:1580
+        smear=True, ve_gates=True, ve_gate_reads_value=True,  # T:1326-1327, T:1547; T:1613-1614
+        attn_output_lambda=True, attn_proj_uniform_init=True, value_embed_init_std=0.01,  # T:1103/1161; T:1293; T:1261
+        bigram_vocab_size=15 * 50304 // 2, bigram_dim=768, bigram_sign=True,  # T:1902-1903 (377,280 x 768), T:1331
+        head_init_std=0.005,  # T:1225-1226 (the embedding is its transpose while tied: tied_embed_steps)
         # attention's additions: XSA and DC (T:1072-1161)
         # the loss: prefix tokens (T:1175-1198, K:1066-1168)
         # the FP8 MLP (T:1403-1434, K:443-713)
         # schedules, optimizers and data (T:1886-2110)
     ),
     "cpu": dict(
-        # the layout and the residual stream
+        # the layout and the residual stream: the record's 11 blocks and roles at the cpu width (256 = 4 x 64; the
+        # record's gates read 12 dims of it); a smaller bigram table (5 x 50304 rows, as recipe v2's cpu one) so 60
+        # CPU steps stay quick, over the whole stream as the record's
+        n_layer=11, long_window_blocks="3,10", attention_free_blocks="6",  # T:2236; T:1494, T:1592
+        paired_head_blocks="0,2,5,9", value_embed_blocks="1,2,8,9,10",  # T:1252; T:1543
+        key_offset=True, value_embeds=True, pad_embed_tables=True,  # T:1496; T:1216-1261
+        unet_skips=True, skip_connections="3>6", skip_sigmoid=True,  # T:1592-1595, T:1346
+        sublayer_lambdas=True, attention_cache_block=7, mudd=True,  # T:1334-1338; T:1598; T:1352-1401
+        mudd_gate_block=4, output_gate_blocks="3,10", xsa_blocks="1,3,4,7", dc_blocks="10",  # T:1238-1240, T:1580
+        smear=True, ve_gates=True, ve_gate_reads_value=True,  # T:1326-1327; T:1613-1614
+        attn_output_lambda=True, attn_proj_uniform_init=True, value_embed_init_std=0.01,  # T:1103/1161; T:1293; T:1261
+        bigram_vocab_size=5 * 50304, bigram_dim=0, bigram_sign=True,  # T:1903: the whole stream; T:1331
+        head_init_std=0.005,  # T:1225-1226
         # attention's additions: XSA and DC
         # the loss: prefix tokens
         # the FP8 MLP
