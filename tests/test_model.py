@@ -907,7 +907,7 @@ def record_stream_model(randomised=True, seed=0):
     return model
 
 
-def reference_attention(model, i, a, aux_v, tokens, gates):
+def record_block_attention(model, i, a, aux_v, tokens, gates):
     """Block i's attention as T:1090-1161 writes it, over whole documents (the windows cover the sequence): q, k, v
     from lambda0 W_qkv, QK rms, rotary, the key offset on 3 and 10 (across documents), paired blocks on
     interleaved positions, then DC (10), XSA, the output gate and lambda1 W_O."""
@@ -992,7 +992,7 @@ def reference_record_stream(model, tokens):
             x = (1 + mu[5]) * x + mu[3] * c0 + mu[4] * cache[7]
             ve_gate = torch.cat([mu[6], mu[7]], dim=-1).repeat_interleave(H // 2, dim=-1)[..., None]
             aux_v = ve_gate * ve_of[i].view_as(aux_v) + aux_v
-            o = reference_attention(model, i, a, aux_v, tokens, gates)
+            o = record_block_attention(model, i, a, aux_v, tokens, gates)
             x = mu[8] * x + mu[9] * o + mu[10] * c0 + mu[11] * bigram
             x = mu[12] * x + mu[13] * block.mlp(F.rms_norm(x, (x.size(-1),)))
             continue
@@ -1001,7 +1001,7 @@ def reference_record_stream(model, tokens):
             gate_in = torch.cat([a[..., :6], ve_of[i][..., :6]], dim=-1)
             aux_v = (2 * torch.sigmoid(gate_in @ block.attn.ve_gate.T))[..., None] * ve_of[i].view(1, -1, H,
                                                                                                 x.size(-1) // H)
-        o = reference_attention(model, i, a, aux_v, tokens, gates)
+        o = record_block_attention(model, i, a, aux_v, tokens, gates)
         x = r[0] * x + p[0] * o + x0 * x0_gate[i]
         if i != 0:
             x = x + bigram * bigram_gate[i]
