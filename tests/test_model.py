@@ -892,9 +892,13 @@ RECORD_STREAM = ["--n_layer=11", "--long_window_blocks=3,10", "--attention_free_
                  "--bigram_dim=0", "--bigram_sign=true", "--head_init_std=0.005", "--cross_document_shifts=true"]
 
 
+def record_stream_args(*extra):
+    return T.parse_args(["--preset=cpu", "--model_dim=64", "--n_head=2", "--head_dim=32", "--seq_len=256",
+                         "--val_seq_len=256", "--val_tokens=256", "--dtype=fp32", *RECORD_STREAM, *extra], False)
+
+
 def record_stream_model(randomised=True, seed=0):
-    args = T.parse_args(["--preset=cpu", "--model_dim=64", "--n_head=2", "--head_dim=32", "--seq_len=256",
-                         "--val_seq_len=256", "--val_tokens=256", "--dtype=fp32", *RECORD_STREAM], False)
+    args = record_stream_args()
     torch.manual_seed(seed)
     model = T.GPT(T.ModelConfig.of(args))
     if randomised:  # every gate and coefficient away from its init, so every path carries signal
@@ -1085,3 +1089,24 @@ def test_record_parameter_shapes_at_the_speedrun_shape():
     assert shapes["mudd_gate_w2"] == (2, 41, 64) and shapes["mudd_gate_b2"] == (2, 41)
     assert shapes["mudd_gate_scale"] == ()
     assert sum(p.numel() for p in model.parameters()) == 643_751_335 - 7_864_320 - 74
+
+
+def test_record_stream_parameters_take_the_records_adam_groups_and_stay_out_of_muon():
+    """Rows 102, 103, 106, 107 (T:2035-2049, base lr 0.008 = the head's): r at 0.04 and p at 0.008 with betas
+    (0.9, 0.95); MUDD's W1/W2 at 0.002 and the gate generators' G1/G2 at 0.0008 with (0.9, 0.99) and the cautious
+    decay, their biases and s_g without it. None of them is a Muon matrix."""
+    args = record_stream_args("--head_lr=0.008", "--cautious_wd=true", "--adam_cautious_wd=0.005")
+    model = T.GPT(T.ModelConfig.of(args))
+    opt = T.build_optimizers(model, args, rank=0, world_size=1)
+    names = {p: n for n, p in model.named_parameters()}
+    muon = {names[p] for b in opt.muon.buckets for p in b.real}
+    assert not any(n.startswith(("mudd", "resid_lambdas", "post_lambdas")) for n in muon)
+    groups = {names[g.param]: g for g in T.adam_groups(model, args, [p for b in opt.muon.buckets for p in b.real])}
+    want = {"resid_lambdas": (0.04, (0.9, 0.95), 0.0), "post_lambdas": (0.008, (0.9, 0.95), 0.0),
+            "mudd_w1": (0.002, (0.9, 0.99), 0.005), "mudd_w2": (0.002, (0.9, 0.99), 0.005),
+            "mudd_b2": (0.002, (0.9, 0.99), 0.0), "mudd_gate_w1": (0.0008, (0.9, 0.99), 0.005),
+            "mudd_gate_w2": (0.0008, (0.9, 0.99), 0.005), "mudd_gate_b2": (0.0008, (0.9, 0.99), 0.0),
+            "mudd_gate_scale": (0.0008, (0.9, 0.99), 0.0)}
+    for name, (lr, betas, wd) in want.items():
+        g = groups[name]
+        assert g.betas == betas and (g.lr, g.cautious_wd, g.weight_decay) == pytest.approx((lr, wd, 0.0)), name
