@@ -773,8 +773,13 @@ class LayerRoles:
         """The explicit lists where --long_window_blocks is set, else for_depth's rule."""
         if cfg.long_window_blocks:
             return LayerRoles.from_lists(cfg)
-        return LayerRoles.for_depth(cfg.n_layer, cfg.value_embeds, cfg.paired_heads, cfg.key_offset, cfg.backout,
-                                    cfg.value_embed_tables, cfg.attention_free_layer)
+        roles = LayerRoles.for_depth(cfg.n_layer, cfg.value_embeds, cfg.paired_heads, cfg.key_offset, cfg.backout,
+                                     cfg.value_embed_tables, cfg.attention_free_layer)
+        if not cfg.mudd_gate_block:
+            return roles
+        gated = {name: set(block_list(getattr(cfg, f"{name}_blocks"))) for name in ("output_gate", "xsa", "dc")}
+        return dataclasses.replace(roles, **{name: tuple(i in blocks and roles.attention[i] for i in range(cfg.n_layer))
+                                             for name, blocks in gated.items()})
 
 
 def block_list(text: str) -> list[int] | None:
@@ -3553,7 +3558,7 @@ TECHNIQUES: tuple[Technique, ...] = (
         "block_lists", ("2026-01-07_PairedHeadAttention", "2026-06-11_RecursiveFromBest"), "model",
         {"long_window_blocks": BLOCK_LIST, "attention_free_blocks": BLOCK_LIST, "paired_head_blocks": BLOCK_LIST,
          "value_embed_blocks": BLOCK_LIST},
-        {preset: {} for preset in PRESETS}, left_out={preset: RECORD_ONLY for preset in PRESETS},
+        {}, left_out={preset: RECORD_ONLY for preset in PRESETS},
         refusals=(Refusal(lambda a: layout_problem(a) is not None, layout_problem),
                   Refusal(lambda a: a.long_window_blocks and a.paired_heads,
                           lambda a: "--paired_heads=true pairs for_depth's layers, and --long_window_blocks sets the "
@@ -3567,19 +3572,19 @@ TECHNIQUES: tuple[Technique, ...] = (
                            lambda a: "for_depth's layout"),
                    only_with("value_embed_blocks", switch="value_embeds"))),
     Technique(
-        "ve_gate_reads_value", ("2026-07-17_FP8DownProjection",), "model", {"ve_gate_reads_value": ANY_BOOL},
-        {preset: {} for preset in PRESETS}, left_out={preset: RECORD_ONLY for preset in PRESETS},
+        "ve_gate_reads_value", ("2026-02-03_VeTuned",), "model", {"ve_gate_reads_value": ANY_BOOL},
+        {}, left_out={preset: RECORD_ONLY for preset in PRESETS},
         only_when=(only_with("ve_gate_reads_value", switch="ve_gates"),)),
     Technique(
-        "record_89_init", ("2026-07-17_FP8DownProjection",), "model",
+        "record_89_init", ("2026-02-03_VeTuned",), "model",
         {"value_embed_init_std": number(0.0), "attn_proj_uniform_init": ANY_BOOL},
-        {preset: {} for preset in PRESETS}, left_out={preset: RECORD_ONLY for preset in PRESETS}),
+        {}, left_out={preset: RECORD_ONLY for preset in PRESETS}),
     Technique(
         "sublayer_lambdas", ("2026-03-06_SimplifyHC",), "model", {"sublayer_lambdas": ANY_BOOL},
-        {preset: {} for preset in PRESETS}, left_out={preset: RECORD_ONLY for preset in PRESETS}),
+        {}, left_out={preset: RECORD_ONLY for preset in PRESETS}),
     Technique(
         "attention_cache", ("2026-03-06_SimplifyHC",), "model", {"attention_cache_block": integer(0)},
-        {preset: {} for preset in PRESETS}, left_out={preset: RECORD_ONLY for preset in PRESETS},
+        {}, left_out={preset: RECORD_ONLY for preset in PRESETS},
         refusals=(Refusal(lambda a: a.attention_cache_block >= a.n_layer - 1,
                           lambda a: f"--attention_cache_block={a.attention_cache_block} leaves no later block to "
                                     f"attend over its stream (--n_layer={a.n_layer}); pass at most {a.n_layer - 2}"),)),
@@ -3587,7 +3592,7 @@ TECHNIQUES: tuple[Technique, ...] = (
         "mudd_gates", ("2026-04-29_XSAGatedLayers", "2026-05-27-MuddGatedAndDC"), "model",
         {"mudd_gate_block": integer(0), "output_gate_blocks": BLOCK_LIST, "xsa_blocks": BLOCK_LIST,
          "dc_blocks": BLOCK_LIST},
-        {preset: {} for preset in PRESETS}, left_out={preset: RECORD_ONLY for preset in PRESETS},
+        {}, left_out={preset: RECORD_ONLY for preset in PRESETS},
         refusals=(Refusal(lambda a: a.mudd_gate_block >= a.n_layer,
                           lambda a: f"--mudd_gate_block={a.mudd_gate_block} is past the last layer ({a.n_layer - 1} "
                                     f"of --n_layer={a.n_layer}); pass a block below {a.n_layer}"),
@@ -3608,7 +3613,7 @@ TECHNIQUES: tuple[Technique, ...] = (
                            lambda a: "--mudd_gate_block=0"),)),
     Technique(
         "mudd", ("2026-04-22_MuddFormer",), "model", {"mudd": ANY_BOOL},
-        {preset: {} for preset in PRESETS}, left_out={preset: RECORD_ONLY for preset in PRESETS},
+        {}, left_out={preset: RECORD_ONLY for preset in PRESETS},
         refusals=(Refusal(lambda a: a.mudd and mudd_problem(a) is not None, mudd_problem),
                   Refusal(lambda a: a.mudd and a.backout,
                           lambda a: "--backout=true subtracts a stream before the head, which --mudd=true's exit "
