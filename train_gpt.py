@@ -184,8 +184,8 @@ class Hyperparameters:
     cross_document_shifts: bool = flag(False, "M L971-974, L1159-1162, L1213-1219: smear, key offset and the "
                                               "multi-token targets read across document boundaries (only the "
                                               "sequence's ends stop them)")
-    long_window_blocks: str = flag("", "record #89, T:1494-1496: the long-window blocks (3,10), whose keys take the key "
-                                       "offset; set: the layout is the *_blocks lists, not LayerRoles.for_depth's rule")
+    long_window_blocks: str = flag("", "record #89, T:1494-1496: the long-window blocks (3,10), whose keys take the "
+                                       "key offset; set: the layout is the *_blocks lists, not LayerRoles.for_depth's")
     attention_free_blocks: str = flag("", "record #89, T:1494, T:1592: blocks with an MLP and no attention (6)")
     paired_head_blocks: str = flag("", "record #89, T:1252: blocks whose head pairs attend as one (0,2,5,9)")
     value_embed_blocks: str = flag("", "record #89, T:1543: blocks that read a value table, the j-th table j "

@@ -348,6 +348,7 @@ def test_record_layout_refuses_what_it_cannot_run_in_one_line(flags, match):
 
 def test_record_recipe_resolves_and_keeps_the_reference_layout_elsewhere():
     speedrun = T.parse_args(["--preset=speedrun", "--recipe=record"], True)
-    assert (speedrun.n_layer, speedrun.mudd, speedrun.mudd_gate_block, speedrun.attention_cache_block) == (11, True, 4, 7)
+    got = (speedrun.n_layer, speedrun.mudd, speedrun.mudd_gate_block, speedrun.attention_cache_block)
+    assert got == (11, True, 4, 7)
     assert T.parse_args(["--preset=cpu", "--recipe=record"], False).model_dim == 256
     assert not T.GPT(T.ModelConfig.of(T.parse_args(["--preset=cpu"], False))).streamed
