@@ -93,6 +93,25 @@ def test_v2_model_decodes_from_its_history_with_the_full_forward_logits():
         evaluation.generate(model, tokens[:140].tolist(), 8, (2, 1), temperature=0, kv_cache=False)
 
 
+def test_record_layout_decodes_from_its_history_with_the_full_forward_logits():
+    """Record #89's whole stream (paired blocks, DC, gates, h7, MUDD) decodes by rerunning its history, and gives
+    logits()'s numbers one token at a time across a document start."""
+    args = model_args("--dtype=fp32", "--n_layer=11", "--long_window_blocks=3,10", "--attention_free_blocks=6",
+                      "--paired_head_blocks=0,2,5,9", "--value_embed_blocks=1,2,8,9,10", "--key_offset=true",
+                      "--skip_connections=3>6", "--skip_sigmoid=true", "--sublayer_lambdas=true",
+                      "--attention_cache_block=7", "--mudd=true", "--mudd_gate_block=4", "--output_gate_blocks=3,10",
+                      "--xsa_blocks=1,3,4,7", "--dc_blocks=10", "--ve_gates=true", "--ve_gate_reads_value=true",
+                      "--attn_output_lambda=true", "--bigram_vocab_size=1000", "--bigram_dim=0")
+    model = randomised_model(args)
+    assert model.decodes_from_history
+    tokens = torch.tensor(prompt_with_documents(200, [0, 150]))
+    with torch.no_grad():
+        full = model.logits(F.pad(tokens, (0, 56), value=T.EOT_TOKEN), T.window_tensor(2))[0]
+    cache = T.KVCache(model, T.window_tensor(2))
+    got = [model.decode(tokens[:140], cache)] + [model.decode(tokens[i:i + 1], cache) for i in range(140, 160)]
+    torch.testing.assert_close(torch.stack(got), full[139:160], atol=1e-4, rtol=1e-5)
+
+
 MODEL_TECHNIQUES = [t for t in T.TECHNIQUES if t.part == "model"]
 # Record #89's techniques on the 4-layer model: their values, and the techniques they need on beside them.
 RECORD_CASES = {
