@@ -1536,7 +1536,8 @@ class GPT(nn.Module):
         self.resid_lambdas = nn.Parameter(torch.full((n, 2), RESID_LAMBDA_INIT)) if cfg.sublayer_lambdas else None
         self.post_lambdas = nn.Parameter(torch.ones(n, 2)) if cfg.sublayer_lambdas else None
         self.gate_columns = gate_columns(cfg, self.roles, self.skips) if cfg.mudd_gate_block else ({}, {})
-        width = max(sum(sl.stop - sl.start for sl in side.values()) for side in self.gate_columns)
+        self.gate_widths = tuple(max((sl.stop for sl in side.values()), default=0) for side in self.gate_columns)
+        width = max(self.gate_widths)
         gated = bool(cfg.mudd_gate_block)
         self.mudd_gate_w1 = nn.Parameter(kaiming_rows(2, MUDD_DIM, dim)) if gated else None
         self.mudd_gate_w2 = nn.Parameter(torch.zeros(2, width, MUDD_DIM)) if gated else None
@@ -1663,7 +1664,7 @@ class GPT(nn.Module):
         {(kind, block or skip): (1, T, width)}; empty without the generators."""
         if self.mudd_gate_w1 is None:
             return {}
-        width = max((sl.stop for sl in self.gate_columns[j].values()), default=0)
+        width = self.gate_widths[j]
         hidden = F.gelu(F.linear(x, self.mudd_gate_w1[j].type_as(x)))  # exact (erf) GELU
         out = F.linear(hidden, self.mudd_gate_w2[j, :width].type_as(x)) + self.mudd_gate_b2[j, :width].type_as(x)
         out = out * self.mudd_gate_scale.type_as(x)
