@@ -1110,3 +1110,13 @@ def test_record_stream_parameters_take_the_records_adam_groups_and_stay_out_of_m
     for name, (lr, betas, wd) in want.items():
         g = groups[name]
         assert g.betas == betas and (g.lr, g.cautious_wd, g.weight_decay) == pytest.approx((lr, wd, 0.0)), name
+
+
+def test_record_stream_traces_as_one_graph():
+    """torch.compile traces the whole record trunk without a graph break (a break would compile each block's helpers
+    as frames of their own, recompiling per block past dynamo's limit)."""
+    model = record_stream_model()
+    tokens = tokens_with_docs(256, [0, 90, 200])
+    attention = model.layer_attention(tokens, T.window_tensor(8))
+    compiled = torch.compile(model.trunk, backend="eager", fullgraph=True)
+    torch.testing.assert_close(compiled(tokens, attention), model.trunk(tokens, attention))
