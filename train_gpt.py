@@ -3571,7 +3571,10 @@ TECHNIQUES: tuple[Technique, ...] = (
         only_when=(only_if(("attention_free_blocks", "paired_head_blocks", "value_embed_blocks"),
                            lambda a: bool(a.long_window_blocks), "--long_window_blocks (the layout by lists)",
                            lambda a: "for_depth's layout"),
-                   only_with("value_embed_blocks", switch="value_embeds"))),
+                   only_with("value_embed_blocks", switch="value_embeds"),
+                   only_if(("value_embed_tables", "attention_free_layer"), lambda a: not a.long_window_blocks,
+                           "for_depth's layout (no --long_window_blocks)",
+                           lambda a: f"the layout by lists (--long_window_blocks={a.long_window_blocks})"))),
     Technique(
         "ve_gate_reads_value", ("2026-02-03_VeTuned",), "model", {"ve_gate_reads_value": ANY_BOOL},
         {}, left_out={preset: RECORD_ONLY for preset in PRESETS},

@@ -241,6 +241,7 @@ UNUSED = {
     "attention_free_blocks": ["--attention_free_blocks=1"], "paired_head_blocks": ["--paired_head_blocks=0"],
     "value_embed_blocks": ["--value_embed_blocks=1"], "ve_gate_reads_value": ["--ve_gate_reads_value=true"],
     "output_gate_blocks": ["--output_gate_blocks=1"], "xsa_blocks": ["--xsa_blocks=1"], "dc_blocks": ["--dc_blocks=1"],
+    "attention_free_layer": ["--long_window_blocks=1", "--attention_free_layer=false"],
 }
 
 
@@ -344,6 +345,11 @@ def test_record_layout_refuses_what_it_cannot_run_in_one_line(flags, match):
     with pytest.raises(T.UsageError) as e:
         T.parse_args(["--preset=cpu", *flags], False)
     assert match in str(e.value) and "\n" not in str(e.value)
+
+
+def test_for_depths_layout_flags_are_refused_with_the_layout_by_lists():
+    with pytest.raises(T.UsageError, match="only matters with for_depth's layout"):
+        T.parse_args(["--preset=cpu", "--long_window_blocks=1", "--value_embed_tables=2"], False)
 
 
 def test_record_recipe_resolves_and_keeps_the_reference_layout_elsewhere():
