@@ -3578,11 +3578,17 @@ TECHNIQUES: tuple[Technique, ...] = (
     Technique(
         "ve_gate_reads_value", ("2026-02-03_VeTuned",), "model", {"ve_gate_reads_value": ANY_BOOL},
         {}, left_out={preset: RECORD_ONLY for preset in PRESETS},
+        refusals=(Refusal(lambda a: a.ve_gate_reads_value and a.gate_dims % 2 == 1,
+                          lambda a: f"--ve_gate_reads_value=true splits the gate's --gate_dims={a.gate_dims} dims "
+                                    "between the stream and the value embedding; pass an even --gate_dims"),),
         only_when=(only_with("ve_gate_reads_value", switch="ve_gates"),)),
     Technique(
         "record_89_init", ("2026-02-03_VeTuned",), "model",
         {"value_embed_init_std": number(0.0), "attn_proj_uniform_init": ANY_BOOL},
-        {}, left_out={preset: RECORD_ONLY for preset in PRESETS}),
+        {}, left_out={preset: RECORD_ONLY for preset in PRESETS},
+        refusals=(Refusal(lambda a: a.value_embed_init_std and a.value_embed_zero_init,
+                          lambda a: f"--value_embed_init_std={a.value_embed_init_std} and --value_embed_zero_init=true "
+                                    "both set the value tables' init; pass one"),)),
     Technique(
         "sublayer_lambdas", ("2026-03-06_SimplifyHC",), "model", {"sublayer_lambdas": ANY_BOOL},
         {}, left_out={preset: RECORD_ONLY for preset in PRESETS}),

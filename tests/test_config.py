@@ -331,6 +331,8 @@ def test_ranges_that_depend_on_another_flag_are_refused(argv, message):
      "XSA needs unpaired heads"),
     (["--long_window_blocks=1", "--paired_heads=true"], "pass --paired_head_blocks instead"),
     (["--attention_cache_block=5"], "leaves no later block to attend over its stream"),
+    (["--ve_gates=true", "--ve_gate_reads_value=true", "--gate_dims=11"], "pass an even --gate_dims"),
+    (["--value_embed_init_std=0.01", "--value_embed_zero_init=true"], "both set the value tables' init; pass one"),
     (["--mudd_gate_block=6"], "--mudd_gate_block=6 is past the last layer"),
     (["--mudd_gate_block=3", "--skip_gates=true"], "pass --skip_gates=false"),
     (["--mudd_gate_block=4", "--skip_connections=1>3"], "adds a skip before --mudd_gate_block=4"),
