@@ -195,6 +195,31 @@ class Hyperparameters:
     cross_document_shifts: bool = flag(False, "M L971-974, L1159-1162, L1213-1219: smear, key offset and the "
                                               "multi-token targets read across document boundaries (only the "
                                               "sequence's ends stop them)")
+    long_window_blocks: str = flag("", "record #89, T:1494-1496: the long-window blocks (3,10), whose keys take the "
+                                       "key offset; set: the layout is the *_blocks lists, not LayerRoles.for_depth's")
+    attention_free_blocks: str = flag("", "record #89, T:1494, T:1592: blocks with an MLP and no attention (6)")
+    paired_head_blocks: str = flag("", "record #89, T:1252: blocks whose head pairs attend as one (0,2,5,9)")
+    value_embed_blocks: str = flag("", "record #89, T:1543: blocks that read a value table, the j-th table j "
+                                       "(1,2,8,9,10)")
+    ve_gate_reads_value: bool = flag(False, "record #89, T:1613-1614: the value-embedding gate reads [a[:6], ve[:6]] "
+                                            "(half the gate dims of each), not a[:12]")
+    value_embed_init_std: float = flag(0.0, "record #89, T:1261: the value tables start N(0, std) (0.01); 0: N(0, 1), "
+                                            "or zeros with --value_embed_zero_init")
+    attn_proj_uniform_init: bool = flag(False, "record #89, T:1288-1293: attention's output projection starts uniform "
+                                               "like Q, K, V (vo_bank), not zero")
+    sublayer_lambdas: bool = flag(False, "record #89, T:1334-1338, T:1638, T:1665: x <- r x + p f(x) per sublayer, "
+                                         "r = sqrt(1.1), p = 1, both learned per block")
+    attention_cache_block: int = flag(0, "record #89, T:1598: the blocks after this one attend over rms of the "
+                                         "stream after it (7); 0: each block over its own stream")
+    mudd_gate_block: int = flag(0, "record #89, T:1436-1484, T:1551-1589: per-token gates (XSA, output gates, "
+                                   "x0 and bigram injections, skips, DC) from x0 and the stream entering this block "
+                                   "(4); 0: off")
+    output_gate_blocks: str = flag("", "record #89, T:1240, T:1158-1159: blocks whose heads' outputs are scaled by "
+                                       "a linear MUDD gate from 0.25 (3,10)")
+    xsa_blocks: str = flag("", "record #89, T:1238, T:1151-1157: blocks with gated exclusive self-attention (1,3,4,7)")
+    dc_blocks: str = flag("", "record #89, T:1239, T:1142-1149: blocks with DC head composition over 112 keys (10)")
+    mudd: bool = flag(False, "record #89, T:1352-1401, T:1601-1610, T:1677-1680: MUDD dense connections on the last "
+                             "block and after it")
     qkv_init_gain: float = flag(0.5, "R: Q, K, V uniform with std gain / sqrt(model_dim); M L935-936: 1")
     head_init_std: float = flag(0.0, "M L1072-1073: the head starts N(0, std) (0.005); 0: --zero_init decides")
     value_embed_zero_init: bool = flag(False, "M L1062-1063: the value-embedding tables start at zero")
@@ -750,6 +775,9 @@ class LayerRoles:
     paired_heads: tuple[bool, ...]  # attention layers whose head pairs attend as one
     key_offset: tuple[bool, ...]  # attention layers whose keys take the previous token's stationary dims
     backout_layer: int | None  # the stream entering this layer is backed out before the head
+    output_gate: tuple[bool, ...] = ()  # record #89: heads scaled by a MUDD gate (empty: none)
+    xsa: tuple[bool, ...] = ()  # record #89: gated exclusive self-attention
+    dc: tuple[bool, ...] = ()  # record #89: DC head composition
 
     VALUE_EMBED_TABLES = 3  # R: three value-embedding tables, read by the first three and the last three layers
     # (track 2's records: five, --value_embed_tables)
@@ -778,6 +806,89 @@ class LayerRoles:
                           paired_heads=tuple(paired_heads and i in paired for i in range(n_layer)),
                           key_offset=tuple(key_offset and attention[i] and long_window[i] for i in range(n_layer)),
                           backout_layer=int(n_layer * LayerRoles.BACKOUT_FRACTION) if backout else None)
+
+
+    @staticmethod
+    def from_lists(cfg: "ModelConfig") -> "LayerRoles":
+        """Record #89's explicit layout (T:1238-1252, T:1494-1496, T:1543): every role a list of blocks, the j-th
+        value-embedding block reading table j, the key offset on the long windows (with --key_offset)."""
+        n = cfg.n_layer
+        has = {name: set(block_list(getattr(cfg, f"{name}_blocks"))) for name in
+               ("long_window", "attention_free", "paired_head", "value_embed", "output_gate", "xsa", "dc")}
+        ve_blocks = block_list(cfg.value_embed_blocks) if cfg.value_embeds else []
+        attention = tuple(i not in has["attention_free"] for i in range(n))
+        long_window = tuple(i in has["long_window"] for i in range(n))
+        return LayerRoles(value_embed=tuple(ve_blocks.index(i) if i in ve_blocks else None for i in range(n)),
+                          attention=attention, long_window=long_window, n_encoder=n // 2,
+                          n_value_embeds=len(ve_blocks), paired_heads=tuple(i in has["paired_head"] for i in range(n)),
+                          key_offset=tuple(cfg.key_offset and attention[i] and long_window[i] for i in range(n)),
+                          backout_layer=int(n * LayerRoles.BACKOUT_FRACTION) if cfg.backout else None,
+                          output_gate=tuple(i in has["output_gate"] for i in range(n)),
+                          xsa=tuple(i in has["xsa"] for i in range(n)), dc=tuple(i in has["dc"] for i in range(n)))
+
+    @staticmethod
+    def of(cfg: "ModelConfig") -> "LayerRoles":
+        """The explicit lists where --long_window_blocks is set, else for_depth's rule."""
+        if cfg.long_window_blocks:
+            return LayerRoles.from_lists(cfg)
+        roles = LayerRoles.for_depth(cfg.n_layer, cfg.value_embeds, cfg.paired_heads, cfg.key_offset, cfg.backout,
+                                     cfg.value_embed_tables, cfg.attention_free_layer)
+        if not cfg.mudd_gate_block:
+            return roles
+        gated = {name: set(block_list(getattr(cfg, f"{name}_blocks"))) for name in ("output_gate", "xsa", "dc")}
+        return dataclasses.replace(roles, **{name: tuple(i in blocks and roles.attention[i] for i in range(cfg.n_layer))
+                                             for name, blocks in gated.items()})
+
+
+def block_list(text: str) -> list[int] | None:
+    """A *_blocks flag's block indices (empty text: none); None where the text is not a comma list of indices."""
+    return [] if text == "" else parsed_list(text, int, lambda i: i >= 0)
+
+
+BLOCK_LISTS = ("long_window", "attention_free", "paired_head", "value_embed", "output_gate", "xsa", "dc")
+
+
+def layout_problem(a) -> str | None:
+    """What is wrong with record #89's block lists on this depth, if anything: a block past the last layer, or an
+    attention-free block given an attention role."""
+    lists = {name: block_list(getattr(a, f"{name}_blocks")) or [] for name in BLOCK_LISTS}
+    for name, blocks in lists.items():
+        if any(b >= a.n_layer for b in blocks):
+            return (f"--{name}_blocks={getattr(a, f'{name}_blocks')} names block {max(blocks)}, past the last layer "
+                    f"({a.n_layer - 1} of --n_layer={a.n_layer}); pass blocks below {a.n_layer}")
+    for name, blocks in lists.items():
+        clash = set(blocks) & set(lists["attention_free"]) if name != "attention_free" else set()
+        if clash:
+            return (f"--{name}_blocks={getattr(a, f'{name}_blocks')} gives block {min(clash)} an attention role, and "
+                    f"--attention_free_blocks={a.attention_free_blocks} takes its attention away; drop it from one")
+    return None
+
+
+def paired_clash(a) -> str | None:
+    """An XSA or DC block that is also paired (record #89 has them on unpaired blocks only, T:1152), if any."""
+    paired = set(block_list(a.paired_head_blocks) or [])
+    for name in ("xsa", "dc"):
+        clash = set(block_list(getattr(a, f"{name}_blocks")) or []) & paired
+        if clash:
+            return (f"--{name}_blocks={getattr(a, f'{name}_blocks')} includes block {min(clash)}, whose heads "
+                    f"--paired_head_blocks={a.paired_head_blocks} pairs; {name.upper()} needs unpaired heads: drop it "
+                    "from one")
+    return None
+
+
+def mudd_problem(a) -> str | None:
+    """What record #89's MUDD (T:1601-1610, T:1677-1680) lacks on this run, if anything: the cached stream h7, one
+    skip (its source is h3), value tables read by the last block (table 0 is ve0), even heads, and attention."""
+    skips = skip_pairs(a.skip_connections) if a.unet_skips and a.skip_connections else None
+    roles = LayerRoles.from_lists(a) if a.long_window_blocks else LayerRoles.for_depth(
+        a.n_layer, a.value_embeds, a.paired_heads, a.key_offset, a.backout, a.value_embed_tables,
+        a.attention_free_layer)
+    needs = [(not a.attention_cache_block, "an --attention_cache_block (its h7)"),
+             (not skips or len(skips) != 1, "exactly one --skip_connections pair (its h3)"),
+             (roles.value_embed[-1] is None, "a value table read by the last block (--value_embed_blocks)"),
+             (not roles.attention[-1], "attention in the last block"), (a.n_head % 2 == 1, "an even --n_head")]
+    missing = [what for lacking, what in needs if lacking]
+    return f"--mudd=true needs {missing[0]}; pass it or --mudd=false" if missing else None
 
 
 def dense_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float) -> Tensor:
@@ -1051,6 +1162,20 @@ class ModelConfig:
     fp8_mlp: bool  # the MLPs keep the FP8 scales (whether FP8 runs is the device's: GPT's fp8_mlp)
     fp8_head_scales: str
     loss_sum: bool
+    long_window_blocks: str
+    attention_free_blocks: str
+    paired_head_blocks: str
+    value_embed_blocks: str
+    ve_gate_reads_value: bool
+    value_embed_init_std: float
+    attn_proj_uniform_init: bool
+    sublayer_lambdas: bool
+    attention_cache_block: int
+    mudd_gate_block: int
+    output_gate_blocks: str
+    xsa_blocks: str
+    dc_blocks: str
+    mudd: bool
     short_window_cap: int
     token_exact_windows: bool
     x0_lambda_lr: float | None  # set: each layer's x0 lambda is a parameter of its own (the optimizer's group)
@@ -1160,8 +1285,22 @@ def dc_composition(q: Tensor, k: Tensor, v: Tensor, w1: Tensor, w2: Tensor, docs
     return out.transpose(1, 2).reshape(1, T, H, D)
 
 
+DC_KEYS = 112  # record #89, T:1146: DC composes heads over each query's last 112 keys
+
+
+class AttnExtras(typing.NamedTuple):
+    """Record #89's per-token additions to one attention block's heads (None: absent), each (1, T, H) but v_extra."""
+    ve_gate: Tensor | None = None  # the MUDD block's value-embedding gate, in place of the learned one (T:1606-1610)
+    v_extra: Tensor | None = None  # (1, T, D): the MUDD block's value term from earlier streams (T:1604)
+    dc: tuple[Tensor, Tensor] | None = None  # DC's (w1, w2) (T:1142-1149)
+    docs: Tensor | None = None  # (T,) document ids, for DC's window
+    xsa_alpha: Tensor | None = None  # XSA's strength before tanh (T:1151-1157)
+    output_gate: Tensor | None = None  # the heads' linear output gate (T:1158-1159)
+
+
 class CausalSelfAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, uses_value_embed: bool, paired: bool = False, key_offset: bool = False):
+    def __init__(self, cfg: ModelConfig, uses_value_embed: bool, paired: bool = False, key_offset: bool = False,
+                 learned_ve_gate: bool = True):
         super().__init__()
         dim, hdim = cfg.model_dim, cfg.n_head * cfg.head_dim
         self.n_head, self.head_dim, self.scale, self.qk_norm = cfg.n_head, cfg.head_dim, cfg.attn_scale, cfg.qk_norm
@@ -1174,21 +1313,24 @@ class CausalSelfAttention(nn.Module):
                                                  [0.5, 1.0 if cfg.ve_gates else 0.5] if uses_value_embed else [0.5]))
         # paired heads rotate at their interleaved positions, so a pair's two heads sit half a token apart
         self.rotary = Rotary(cfg.head_dim, cfg.max_seq_len * (2 if paired else 1), cfg.bf16_rotary)
-        self.c_proj = CastedLinear(hdim, dim, zero_init=cfg.zero_init)
+        self.c_proj = CastedLinear(hdim, dim, zero_init=cfg.zero_init and not cfg.attn_proj_uniform_init)
+        if cfg.attn_proj_uniform_init:
+            nn.init.uniform_(self.c_proj.weight, -bound, bound)  # record #89, T:1293: O sits in vo_bank with V
         gates = cfg.gate_dims
         self.attn_gate = nn.Parameter(torch.zeros(cfg.n_head, gates)) if cfg.attn_gate else None
-        self.ve_gate = nn.Parameter(torch.zeros(cfg.n_head, gates)) if cfg.ve_gates and uses_value_embed else None
+        self.ve_gate = (nn.Parameter(torch.zeros(cfg.n_head, gates))
+                        if cfg.ve_gates and uses_value_embed and learned_ve_gate else None)
+        self.ve_gate_reads_value = cfg.ve_gate_reads_value
 
-    def forward(self, x: Tensor, ve: Tensor | None, attend, offset: int = 0, doc_start: Tensor | None = None) -> Tensor:
+    def forward(self, x: Tensor, ve: Tensor | None, attend, offset: int = 0, doc_start: Tensor | None = None,
+                extras: AttnExtras = AttnExtras()) -> Tensor:
         """attend(q, k, v, scale): this layer's attention (attention_with, or KVCache.layer when decoding)."""
         B, T = x.shape[:2]
         qkv = F.linear(x, self.qkv_w.flatten(end_dim=1).type_as(x)).view(B, T, 3 * self.n_head, self.head_dim)
         q, k, v = qkv.chunk(3, dim=-2)
         if self.qk_norm:
             q, k = rms_norm(q), rms_norm(k)
-        if self.ve_gate is not None:
-            ve = ve.view_as(v) * (NEUTRAL_GATE_SCALE * sigmoid_gate(x, self.ve_gate))[..., None]
-        v = self.lambdas[0] * v if ve is None else self.lambdas[0] * v + self.value_embed_scale() * ve.view_as(v)
+        v = self.with_value_embed(x, v, ve, extras)
         if self.paired:
             q, k, v = pair_heads(q), pair_heads(k), pair_heads(v)
             offset = 2 * offset
@@ -1198,9 +1340,34 @@ class CausalSelfAttention(nn.Module):
         y = attend(q, k, v, self.scale)
         if self.paired:
             y = unpair_heads(y)
+        y = self.record_head_outputs(y, q, k, v, extras)
         if self.attn_gate is not None:
             y = y * sigmoid_gate(x, self.attn_gate)[..., None]
         return self.project_out(y.reshape(B, T, -1))
+
+    def with_value_embed(self, x: Tensor, v: Tensor, ve: Tensor | None, extras: AttnExtras) -> Tensor:
+        """v scaled by its lambda plus the value embedding: gated per head by the learned gate (2 sigmoid, reading
+        x[:G], or [x[:G/2], ve[:G/2]] with --ve_gate_reads_value, T:1613-1614), or by the MUDD block's gate plus
+        its extra value term (T:1606-1610)."""
+        if ve is None:
+            return self.lambdas[0] * v
+        if extras.ve_gate is not None:
+            ve = ve.view_as(v) * extras.ve_gate.type_as(v)[..., None] + extras.v_extra.view_as(v)
+        elif self.ve_gate is not None:
+            half = self.ve_gate.size(-1) // 2
+            gate_in = torch.cat([x[..., :half], ve[..., :half]], dim=-1) if self.ve_gate_reads_value else x
+            ve = ve.view_as(v) * (NEUTRAL_GATE_SCALE * sigmoid_gate(gate_in, self.ve_gate))[..., None]
+        return self.lambdas[0] * v + self.value_embed_scale() * ve.view_as(v)
+
+    def record_head_outputs(self, y: Tensor, q: Tensor, k: Tensor, v: Tensor, extras: AttnExtras) -> Tensor:
+        """Record #89's order after attention (T:1142-1159): DC added, then XSA, then the output gate."""
+        if extras.dc is not None:
+            y = y + dc_composition(q, k, v, *extras.dc, extras.docs, DC_KEYS, self.scale)
+        if extras.xsa_alpha is not None:
+            y = exclusive_self_attention(y, v, extras.xsa_alpha)
+        if extras.output_gate is not None:
+            y = y * extras.output_gate.type_as(y)[..., None]
+        return y
 
     def value_embed_scale(self) -> Tensor | float:
         """The value embedding's weight in v: the learned lambda, or 1 where the second lambda scales the output
@@ -1305,33 +1472,64 @@ class MLP(nn.Module):
         self.fp8_down_next_scale.copy_(amax.clamp(min=1e-12) * (FP8_MLP_WEIGHT_HEADROOM / E4M3_MAX))
 
 
+class SublayerInputs(typing.NamedTuple):
+    """What one block of record #89's stream (GPT.stream_trunk) reads besides its stream and its value embedding."""
+    resid: tuple  # the stream's weight r before (attention, MLP) are added (T:1638, T:1665); 1.0: none
+    post: tuple  # the weight p of (attention's, the MLP's) output
+    attn_in: Tensor | None = None  # the attention's input when it is a cached stream's, rms(h7) (T:1598)
+    injected: Tensor | None = None  # added after attention: the x0 and bigram injections (T:1638-1640)
+    extras: AttnExtras = AttnExtras()
+
+
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int, roles: LayerRoles):
         super().__init__()
+        mudd_block = cfg.mudd and layer == cfg.n_layer - 1  # its value-embedding gate comes from MUDD (T:1606-1610)
         self.attn = (CausalSelfAttention(cfg, roles.value_embed[layer] is not None,
-                                         paired=roles.paired_heads[layer], key_offset=roles.key_offset[layer])
+                                         paired=roles.paired_heads[layer], key_offset=roles.key_offset[layer],
+                                         learned_ve_gate=not mudd_block)
                      if roles.attention[layer] else None)
         self.mlp = MLP(cfg)
         # mix of the stream and the embedding x0 (M L1092: the stream's weight starts at 1.05); the x0 weight apart
-        # when it has its own lr (track 2, M L1083)
+        # when it has its own lr (track 2, M L1083). Record #89's gates inject x0 and bigrams after attention instead.
+        mixed = not cfg.mudd_gate_block
         self.lambdas = nn.Parameter(torch.tensor([cfg.residual_lambda_init, 0.0] if cfg.x0_lambda_lr is None
-                                                 else [cfg.residual_lambda_init]))
-        self.x0_lambda = nn.Parameter(torch.zeros(1)) if cfg.x0_lambda_lr is not None else None
+                                                 else [cfg.residual_lambda_init])) if mixed else None
+        self.x0_lambda = nn.Parameter(torch.zeros(1)) if cfg.x0_lambda_lr is not None and mixed else None
         self.x02_lambda = nn.Parameter(torch.zeros(1)) if cfg.second_embed else None  # M L1083: from 0
-        self.bigram_lambda = nn.Parameter(torch.tensor([BIGRAM_LAMBDA_INIT])) if cfg.bigram_vocab_size else None
+        self.bigram_lambda = (nn.Parameter(torch.tensor([BIGRAM_LAMBDA_INIT])) if cfg.bigram_vocab_size and mixed
+                              else None)
 
     def forward(self, x: Tensor, x0: Tensor, ve: Tensor | None, attend, offset: int = 0,
                 doc_start: Tensor | None = None, bigram: Tensor | None = None, x02: Tensor | None = None) -> Tensor:
         """doc_start: where the key offset stops (None: only at the sequence's start); x02: the second
         embedding (--second_embed), mixed in at x02_lambda as M L1185 does."""
+        x = self.input_mix(x, x0, bigram, x02)
+        if self.attn is not None:
+            x = x + self.attn(rms_norm(x), ve, attend, offset, doc_start)
+        return x + self.mlp(rms_norm(x))
+
+    def input_mix(self, x: Tensor, x0: Tensor, bigram: Tensor | None, x02: Tensor | None) -> Tensor:
+        """The block's input: the stream and x0 at their lambdas, plus the second embedding and the bigrams."""
         x = self.lambdas[0] * x + (self.lambdas[1] if self.x0_lambda is None else self.x0_lambda[0]) * x0
         if x02 is not None:
             x = x + self.x02_lambda[0] * x02
         if bigram is not None:
             x = x + self.bigram_lambda[0] * bigram  # [0]: a 0-dim factor keeps x in bf16
+        return x
+
+    def sublayers(self, x: Tensor, given: SublayerInputs, ve: Tensor | None, attend, offset: int,
+                  doc_start: Tensor | None, mix: tuple) -> Tensor:
+        """Record #89's block (T:1598-1665): x <- r x + p attention(a) + injections, then x <- r x + p MLP(rms(x));
+        mix: (x0, bigram, x02) for the input mix, where the block still has one (no gates)."""
+        if self.lambdas is not None:
+            x = self.input_mix(x, *mix)
         if self.attn is not None:
-            x = x + self.attn(rms_norm(x), ve, attend, offset, doc_start)
-        return x + self.mlp(rms_norm(x))
+            a = rms_norm(x) if given.attn_in is None else given.attn_in
+            x = given.resid[0] * x + given.post[0] * self.attn(a, ve, attend, offset, doc_start, given.extras)
+            if given.injected is not None:
+                x = x + given.injected
+        return given.resid[1] * x + given.post[1] * self.mlp(rms_norm(x))
 
 
 def next_multiple(n: float, k: int) -> int:
@@ -1401,6 +1599,64 @@ def unet_skips(cfg: ModelConfig) -> tuple[tuple[int, int], ...]:
     return tuple((n_enc - 1 - j, n_enc + j) for j in range(n_enc))
 
 
+RESID_LAMBDA_INIT = 1.1 ** 0.5  # record #89, T:1338: the stream grows 1.1x per block, sqrt(1.1) per sublayer
+MUDD_SCALE = 0.1  # record #89, T:1372: MUDD's coefficients are 0.1 x (W2 GELU(W1 x) + b), a fixed scale
+MUDD_DIM = 64  # T:1373, T:1440: the hidden width of MUDD's and the gate generators' two-layer maps
+MUDD_BLOCK_COEFS = 14  # T:1374: the last block's coefficients (T:1359-1366)
+MUDD_EXIT_COEFS = 5  # T:1677: after the last block, over c0, h7, h9, the first value table and h3
+GATE_SCALE_INIT = 0.1  # T:1437: the gate generators' learned scale s_g
+# T:1450-1466: each gate kind's value at init (the bias is value / s_g); the XSA alphas, x0 gates and DC w2 start at 0
+GATE_INITS = {"output_gate": 0.25, "bigram": 0.05, "skip": 0.5, "dc1": 1.0}
+
+
+def mudd_block_bias() -> Tensor:
+    """The last block's MUDD bias, value / 0.1 (T:1380-1392): VE gates 2 (mu6, mu7), the sublayers' r sqrt(1.1)
+    (mu8, mu12) and p 1 (mu9, mu13), the bigram's 0.05 (mu11); the stream and value sources (mu0-mu5) and x0 0."""
+    values = [0.0] * 6 + [2.0, 2.0, RESID_LAMBDA_INIT, 1.0, 0.0, BIGRAM_LAMBDA_INIT, RESID_LAMBDA_INIT, 1.0]
+    return torch.tensor(values) / MUDD_SCALE
+
+
+def gate_columns(cfg: ModelConfig, roles: LayerRoles, skips: tuple) -> tuple[dict, dict]:
+    """Record #89's per-token gate columns (T:1443-1484) of the pre gate (from x0: blocks before --mudd_gate_block)
+    and the post gate (from the stream entering it: the blocks from there, the skips), each {(kind, block or skip):
+    slice}. The record's order: XSA alphas and output gates (n_head each), each attention block's x0 and bigram
+    injections (the MUDD block has its own), the skips, DC's w1s then w2s (n_head each)."""
+    sides: tuple[dict, dict] = ({}, {})
+    side = [int(i >= cfg.mudd_gate_block) for i in range(cfg.n_layer)]
+
+    def add(at: int, key: tuple[str, int], width: int) -> None:
+        start = sum(sl.stop - sl.start for sl in sides[at].values())
+        sides[at][key] = slice(start, start + width)
+
+    for kind in ("xsa", "output_gate"):
+        for i in (i for i, on in enumerate(getattr(roles, kind)) if on):
+            add(side[i], (kind, i), cfg.n_head)
+    for i in range(cfg.n_layer):
+        if roles.attention[i] and not (cfg.mudd and i == cfg.n_layer - 1):
+            add(side[i], ("x0", i), 1)
+            if cfg.bigram_vocab_size:
+                add(side[i], ("bigram", i), 1)
+    for j in range(len(skips)):
+        add(1, ("skip", j), 1)
+    for kind in ("dc1", "dc2"):
+        for i in (i for i, on in enumerate(roles.dc) if on):
+            add(side[i], (kind, i), cfg.n_head)
+    return sides
+
+
+def gate_bias(columns: dict, width: int) -> Tensor:
+    """One gate generator's bias: each column's GATE_INITS value / GATE_SCALE_INIT, zero where it has none."""
+    bias = torch.zeros(width)
+    for (kind, _), where in columns.items():
+        bias[where] = GATE_INITS.get(kind, 0.0) / GATE_SCALE_INIT
+    return bias
+
+
+def kaiming_rows(n: int, rows: int, cols: int) -> Tensor:
+    """n (rows, cols) matrices, Kaiming-uniform with a = sqrt(5) as nn.Linear: U(+-1/sqrt(cols)) (T:1377, T:1445)."""
+    return torch.empty(n, rows, cols).uniform_(-cols ** -0.5, cols ** -0.5)
+
+
 class GPT(nn.Module):
     """The model of a ModelConfig. What the machine decides comes in from build_model: the attention backend
     (attention_backend: banded or flex, compile_attention), the FP8 head's kernels (fp8_kernels: None for none,
@@ -1414,8 +1670,7 @@ class GPT(nn.Module):
         if loss.chunked and fp8_kernels is not None:
             raise ValueError("the chunked head + loss computes the head in the activation dtype, not FP8")
         self.config = cfg
-        self.roles = LayerRoles.for_depth(cfg.n_layer, cfg.value_embeds, cfg.paired_heads, cfg.key_offset,
-                                          cfg.backout, cfg.value_embed_tables, cfg.attention_free_layer)
+        self.roles = LayerRoles.of(cfg)
         self.backend = attention_backend(attention, compile_attention)
         self.vocab_size, self.unet = cfg.vocab_size, cfg.unet_skips
         self.softcap = Softcap(cfg.logit_softcap, cfg.logit_temperature, cfg.logit_offset)
@@ -1427,6 +1682,9 @@ class GPT(nn.Module):
         if cfg.value_embed_zero_init:
             for table in self.value_embeds:
                 nn.init.zeros_(table.weight)  # M L1062-1063
+        if cfg.value_embed_init_std:
+            for table in self.value_embeds:
+                nn.init.normal_(table.weight, std=cfg.value_embed_init_std)  # record #89, T:1261
         self.embed2 = nn.Embedding(rows, cfg.model_dim) if cfg.second_embed else None  # N(0, 1), M L1079
         bigram_dim = cfg.bigram_dim or cfg.model_dim
         self.bigram_embed = nn.Embedding(cfg.bigram_vocab_size, bigram_dim) if cfg.bigram_vocab_size else None
@@ -1451,6 +1709,30 @@ class GPT(nn.Module):
         if cfg.head_init_std:
             nn.init.normal_(self.lm_head.weight, mean=0.0, std=cfg.head_init_std)  # M L1073
         self.embed_from_head = False  # track 2 (M L1148-1152): tokens are looked up in the head's weight while tied
+        self.init_streams(cfg)
+
+    def init_streams(self, cfg: ModelConfig) -> None:
+        """Record #89's stream parameters, at the model's level (Adam's, not Muon's): the sublayers' r and p (T:1334,
+        T:1338), the gate generators (T:1436-1466) and MUDD (T:1367-1396), the first of each pair of maps from x0
+        (pre) or the last block's input (MUDD), the second from the gate block's or the final stream."""
+        self.streamed = bool(cfg.sublayer_lambdas or cfg.attention_cache_block or cfg.mudd_gate_block or cfg.mudd)
+        n, dim = cfg.n_layer, cfg.model_dim
+        self.resid_lambdas = nn.Parameter(torch.full((n, 2), RESID_LAMBDA_INIT)) if cfg.sublayer_lambdas else None
+        self.post_lambdas = nn.Parameter(torch.ones(n, 2)) if cfg.sublayer_lambdas else None
+        self.gate_columns = gate_columns(cfg, self.roles, self.skips) if cfg.mudd_gate_block else ({}, {})
+        self.gate_widths = tuple(max((sl.stop for sl in side.values()), default=0) for side in self.gate_columns)
+        width = max(self.gate_widths)
+        gated = bool(cfg.mudd_gate_block)
+        self.mudd_gate_w1 = nn.Parameter(kaiming_rows(2, MUDD_DIM, dim)) if gated else None
+        self.mudd_gate_w2 = nn.Parameter(torch.zeros(2, width, MUDD_DIM)) if gated else None
+        self.mudd_gate_b2 = (nn.Parameter(torch.stack([gate_bias(side, width) for side in self.gate_columns]))
+                             if gated else None)
+        self.mudd_gate_scale = nn.Parameter(torch.tensor(GATE_SCALE_INIT)) if gated else None
+        self.mudd_w1 = nn.Parameter(kaiming_rows(2, MUDD_DIM, dim)) if cfg.mudd else None
+        self.mudd_w2 = nn.Parameter(torch.zeros(2, MUDD_BLOCK_COEFS, MUDD_DIM)) if cfg.mudd else None
+        exit_bias = torch.zeros(MUDD_BLOCK_COEFS)
+        exit_bias[1] = -BACKOUT_LAMBDA_INIT / MUDD_SCALE  # T:1394: the backout of h7, -0.5
+        self.mudd_b2 = nn.Parameter(torch.stack([mudd_block_bias(), exit_bias])) if cfg.mudd else None
 
     def forward(self, tokens: Tensor, targets: Tensor, windows: Tensor, mtp_weights: Tensor | None = None) -> Tensor:
         """Mean cross-entropy of one flat sequence (T,) of documents. windows: the (long, short) window
@@ -1501,21 +1783,14 @@ class GPT(nn.Module):
 
     def trunk(self, tokens: Tensor, layer_attention: list, offset: int = 0) -> Tensor:
         """Embeddings through every block (value embeddings, x0 mixing, U-net skips): the residual stream."""
+        if self.streamed:
+            return self.stream_trunk(tokens, layer_attention, offset)
         # where smear and the key offset stop: document starts, or (M) the sequence's start alone
         doc_start = None if self.config.cross_document_shifts else tokens == EOT_TOKEN
         ve = [emb(tokens)[None] for emb in self.value_embeds]
-        x = (F.embedding(tokens, self.lm_head.weight).type_as(self.embed.weight) if self.embed_from_head
-             else self.embed(tokens))[None]
-        if self.smear_gate is not None:
-            x = smear(x, self.smear_lambda[0] * sigmoid_gate(x, self.smear_gate), doc_start)
-        x = x0 = rms_norm(x)
+        x = x0 = self.embedded(tokens, doc_start)
         x02 = rms_norm(self.embed2(tokens)[None]) if self.embed2 is not None else None  # M L1164
-        bigram = None
-        if self.bigram_embed is not None:
-            bigram = self.bigram_embed(bigram_rows(tokens, self.bigram_embed.num_embeddings))[None]
-            if self.bigram_signs is not None:
-                bigram = bigram * self.bigram_signs[bigram_sign_rows(tokens)].type_as(bigram)
-            bigram = F.pad(bigram, (0, x.size(-1) - bigram.size(-1)))  # into the stream's first bigram_dim dims
+        bigram = self.bigram_vector(tokens, x.size(-1))
         into = {b: j for j, (_, b) in enumerate(self.skips)}
         sources, saved, backout = {a for a, _ in self.skips}, {}, None
         for i, block in enumerate(self.blocks):
@@ -1531,10 +1806,117 @@ class GPT(nn.Module):
             x = x - self.backout_lambda[0] * backout
         return x
 
-    def skip_weight(self, j: int, x0: Tensor) -> Tensor:
+    def embedded(self, tokens: Tensor, doc_start: Tensor | None) -> Tensor:
+        """x0: the token embeddings (from the head's weight while tied), smeared, rms-normed, (1, T, model_dim)."""
+        x = (F.embedding(tokens, self.lm_head.weight).type_as(self.embed.weight) if self.embed_from_head
+             else self.embed(tokens))[None]
+        if self.smear_gate is not None:
+            x = smear(x, self.smear_lambda[0] * sigmoid_gate(x, self.smear_gate), doc_start)
+        return rms_norm(x)
+
+    def bigram_vector(self, tokens: Tensor, width: int) -> Tensor | None:
+        """The signed bigram embedding of each position, (1, T, width), in the first bigram_dim dims; None without
+        the table."""
+        if self.bigram_embed is None:
+            return None
+        bigram = self.bigram_embed(bigram_rows(tokens, self.bigram_embed.num_embeddings))[None]
+        if self.bigram_signs is not None:
+            bigram = bigram * self.bigram_signs[bigram_sign_rows(tokens)].type_as(bigram)
+        return F.pad(bigram, (0, width - bigram.size(-1)))  # into the stream's first bigram_dim dims
+
+    def stream_trunk(self, tokens: Tensor, layer_attention: list, offset: int = 0) -> Tensor:
+        """Record #89's stream (T:1530-1680; docs/track1-record-fidelity.md section 4.1): per-token gates from x0
+        and from the stream entering --mudd_gate_block, x0 and bigram injected after attention, per-sublayer r and
+        p, the blocks after --attention_cache_block attending over its stream, MUDD on the last block and after."""
+        doc_start = None if self.config.cross_document_shifts else tokens == EOT_TOKEN
+        ve = [emb(tokens)[None] for emb in self.value_embeds]
+        x0 = self.embedded(tokens, doc_start)
+        x02 = rms_norm(self.embed2(tokens)[None]) if self.embed2 is not None else None
+        bigram = self.bigram_vector(tokens, x0.size(-1))
+        gates = self.gates_from(x0, 0)
+        x = c0 = x0 if ("bigram", 0) not in gates else x0 + gates[("bigram", 0)] * bigram  # T:1562: cache 0
+        docs = document_ids(tokens) if any(self.roles.dc) else None
+        into = {b: j for j, (_, b) in enumerate(self.skips)}
+        saved: dict = {"c0": c0}
+        for i, block in enumerate(self.blocks):
+            if i == self.config.mudd_gate_block:
+                gates.update(self.gates_from(x, 1))  # T:1580-1589
+            if i in into:
+                x = x + self.skip_weight(into[i], x0, gates) * saved[self.skips[into[i]][0]]
+            given = self.sublayer_inputs(i, x0, bigram, gates, saved, docs)
+            ve_i = self.roles.value_embed[i]
+            if self.config.mudd and i == len(self.blocks) - 1:
+                x, given = self.mudd_block_entry(x, given, saved, bigram)
+            x = block.sublayers(x, given, None if ve_i is None else ve[ve_i], layer_attention[i], offset, doc_start,
+                                (x0, bigram, x02))
+            saved[i] = x
+        return self.mudd_exit(x, saved, ve) if self.config.mudd else x
+
+    def gates_from(self, x: Tensor, j: int) -> dict:
+        """Gate generator j's (0: pre, 1: post) per-token coefficients, s_g (G2 GELU(G1 x) + c) (T:1468-1470), as
+        {(kind, block or skip): (1, T, width)}; empty without the generators."""
+        if self.mudd_gate_w1 is None:
+            return {}
+        width = self.gate_widths[j]
+        hidden = F.gelu(F.linear(x, self.mudd_gate_w1[j].type_as(x)))  # exact (erf) GELU
+        out = F.linear(hidden, self.mudd_gate_w2[j, :width].type_as(x)) + self.mudd_gate_b2[j, :width].type_as(x)
+        out = out * self.mudd_gate_scale.type_as(x)
+        return {key: out[..., where] for key, where in self.gate_columns[j].items()}
+
+    def sublayer_inputs(self, i: int, x0: Tensor, bigram: Tensor | None, gates: dict, saved: dict,
+                        docs: Tensor | None) -> SublayerInputs:
+        """Block i's r and p, its attention input (rms of the cached stream after the cache block), its x0 and
+        bigram injections (the bigram's of block 0 went into c0, T:1639) and its attention's gates."""
+        r = p = (1.0, 1.0)
+        if self.resid_lambdas is not None:
+            r, p = tuple(self.resid_lambdas[i].type_as(x0)), tuple(self.post_lambdas[i].type_as(x0))
+        cache = self.config.attention_cache_block
+        attn_in = rms_norm(saved[cache]) if cache and i > cache else None
+        injected = None
+        if ("x0", i) in gates:
+            injected = x0 * gates[("x0", i)]
+            if ("bigram", i) in gates and i != 0:
+                injected = injected + gates[("bigram", i)] * bigram
+        extras = AttnExtras(dc=(gates[("dc1", i)], gates[("dc2", i)]) if ("dc1", i) in gates else None, docs=docs,
+                            xsa_alpha=gates.get(("xsa", i)), output_gate=gates.get(("output_gate", i)))
+        return SublayerInputs(r, p, attn_in, injected, extras)
+
+    def mudd_coefficients(self, x: Tensor, j: int, n: int) -> tuple[Tensor, ...]:
+        """MUDD map j's first n per-token coefficients, 0.1 (W2 GELU(W1 x) + b) (T:1398-1401), each (1, T, 1)."""
+        hidden = F.gelu(F.linear(x, self.mudd_w1[j].type_as(x)))
+        mu = (F.linear(hidden, self.mudd_w2[j, :n].type_as(x)) + self.mudd_b2[j, :n].type_as(x)) * MUDD_SCALE
+        return mu.split(1, dim=-1)
+
+    def mudd_block_entry(self, h9: Tensor, given: SublayerInputs, saved: dict, bigram: Tensor | None):
+        """The last block's MUDD (T:1601-1610, T:1634-1636, T:1662-1663) from the stream entering it, h9: the new
+        stream (1 + mu5) h9 + mu3 c0 + mu4 h7, the value term mu0 c0 + mu1 h7 + mu2 h9 with the value-embedding gate
+        mu6 (first half of the heads) / mu7 (second half), and the sublayers' r, p and injections from mu8-mu13."""
+        mu = self.mudd_coefficients(h9, 0, MUDD_BLOCK_COEFS)
+        c0, h7 = saved["c0"], saved[self.config.attention_cache_block]
+        saved["h9"] = h9
+        half = self.config.n_head // 2
+        ve_gate = torch.cat([mu[6], mu[7]], dim=-1).repeat_interleave(half, dim=-1)
+        extras = given.extras._replace(ve_gate=ve_gate, v_extra=mu[0] * c0 + mu[1] * h7 + mu[2] * h9)
+        injected = mu[10] * c0 if bigram is None else mu[10] * c0 + mu[11] * bigram
+        x = (1 + mu[5]) * h9 + mu[3] * c0 + mu[4] * h7
+        return x, given._replace(resid=(mu[8], mu[12]), post=(mu[9], mu[13]), injected=injected, extras=extras)
+
+    def mudd_exit(self, x: Tensor, saved: dict, ve: list[Tensor]) -> Tensor:
+        """After the last block (T:1677-1680): x + nu0 c0 + nu1 h7 + nu2 h9 + nu3 ve0 + nu4 h3, h3 the skip's source
+        and ve0 the first value table."""
+        nu = self.mudd_coefficients(x, 1, MUDD_EXIT_COEFS)
+        sources = (saved["c0"], saved[self.config.attention_cache_block], saved["h9"], ve[0].type_as(x),
+                   saved[self.skips[0][0]])
+        for n, source in zip(nu, sources):
+            x = x + n * source
+        return x
+
+    def skip_weight(self, j: int, x0: Tensor, gates: dict | None = None) -> Tensor:
         """Skip j's weight: its learned weight, or sigmoid of its lambda (--skip_sigmoid, M L1179), times the gate
-        2 * sigmoid(W_j x0[:gate_dims]) with --skip_gates."""
+        2 * sigmoid(W_j x0[:gate_dims]) with --skip_gates, or record #89's per-token skip gate (T:1593-1594)."""
         weight = torch.sigmoid(self.skip_lambdas[j]) if self.skip_lambdas is not None else self.skip_weights[j]
+        if gates and ("skip", j) in gates:
+            return weight * gates[("skip", j)]
         if self.skip_gate is None:
             return weight
         return weight * NEUTRAL_GATE_SCALE * sigmoid_gate(x0, self.skip_gate[j:j + 1])
@@ -2608,6 +2990,18 @@ def is_x0_lambda(name: str) -> bool:
     return name.endswith(("x0_lambda", "x02_lambda"))
 
 
+# Record #89's stream parameters in Adam (T:2035-2049): (lr_mul on the base lr, which is the head's, betas, decayed).
+# MUDD's and the gate generators' matrices decay as the others (lr^2 x adam_cautious_wd); biases, scales and lambdas
+# do not (wd_mul 0).
+RECORD_STREAM_ADAM = {
+    "resid_lambdas": (5.0, (0.9, 0.95), False), "post_lambdas": (1.0, (0.9, 0.95), False),  # T:2035-2036
+    "mudd_w1": (0.25, (0.9, 0.99), True), "mudd_w2": (0.25, (0.9, 0.99), True),  # T:2043-2044
+    "mudd_b2": (0.25, (0.9, 0.99), False),  # T:2045
+    "mudd_gate_w1": (0.1, (0.9, 0.99), True), "mudd_gate_w2": (0.1, (0.9, 0.99), True),  # T:2046-2047
+    "mudd_gate_b2": (0.1, (0.9, 0.99), False), "mudd_gate_scale": (0.1, (0.9, 0.99), False),  # T:2048-2049
+}
+
+
 def adam_groups(model: GPT, args: Hyperparameters, in_muon: list[Tensor]) -> list[AdamGroup]:
     """Adam's parameters and settings: the head, the embeddings and the scalars (gates, lambdas) not in Muon, and the
     hidden matrices without Muon. The gates' weights count as scalars, at their technique's gate_lrs share of the
@@ -2623,6 +3017,10 @@ def adam_groups(model: GPT, args: Hyperparameters, in_muon: list[Tensor]) -> lis
     groups = []
     for name, p in model.named_parameters():
         if any(p is q for q in in_muon):
+            continue
+        if name in RECORD_STREAM_ADAM:  # record #89's stream, at its own lrs and betas
+            lr_mul, betas, decayed = RECORD_STREAM_ADAM[name]
+            groups.append(AdamGroup(p, args.head_lr * lr_mul, cautious_wd=adam_wd if decayed else 0.0, betas=betas))
             continue
         if name == "lm_head.weight":
             groups.append(AdamGroup(p, args.head_lr, args.weight_decay, adam_wd * args.head_embed_wd_mul))
@@ -2656,7 +3054,8 @@ def build_optimizers(model: GPT, args: Hyperparameters, rank: int, world_size: i
     hidden = [p for p in model.blocks.parameters() if p.ndim >= 2 and not any(p is g for g in gates)]
     in_muon = hidden + muon_gates if args.muon else []
     groups = adam_groups(model, args, in_muon)
-    small = [g.param for g in groups if g.param.ndim < 2 or any(g.param is q for q in gates)]
+    stream = [p for name, p in model.named_parameters() if name in RECORD_STREAM_ADAM]  # small, replicated (T:2035)
+    small = [g.param for g in groups if g.param.ndim < 2 or any(g.param is q for q in gates + stream)]
     muon_part = muon_buckets(in_muon, world_size)
     adam_part = adam_buckets([g.param for g in groups], small, world_size)
     assert sum(b.numel() for b in muon_part + adam_part) == sum(p.numel() for p in model.parameters())
@@ -3286,6 +3685,8 @@ def needs_muon(flag: str) -> Refusal:
                              f"--muon=true or --{flag}=false")
 
 
+RECORD_ONLY = "a record #89 technique (--recipe=record)"
+BLOCK_LIST = Rule(lambda v: block_list(v) is not None, "empty, or comma-separated block indices such as 1,3,4,7")
 NOT_IN_TRACK_2 = "not in the track-2 record (modded-nanogpt PR #188), whose recipe the medium preset is; one flag away"
 UNIT_OPEN = number(0.0, 1.0, lo_open=True)
 
@@ -3576,6 +3977,80 @@ TECHNIQUES: tuple[Technique, ...] = (
     Technique(
         "loss_sum", ("2025-12-31_BulkSmallTrackTransfer",), "model", {"loss_sum": ANY_BOOL},
         {"medium": {}}, left_out=only_track_2("the mean training loss")),
+    # Record #89's layout and residual stream (--recipe=record; docs/track1-record-fidelity.md rows 1-28, 38-52).
+    Technique(
+        "block_lists", ("2026-01-07_PairedHeadAttention", "2026-06-11_RecursiveFromBest"), "model",
+        {"long_window_blocks": BLOCK_LIST, "attention_free_blocks": BLOCK_LIST, "paired_head_blocks": BLOCK_LIST,
+         "value_embed_blocks": BLOCK_LIST},
+        {}, left_out={preset: RECORD_ONLY for preset in PRESETS},
+        refusals=(Refusal(lambda a: layout_problem(a) is not None, layout_problem),
+                  Refusal(lambda a: a.long_window_blocks and a.paired_heads,
+                          lambda a: "--paired_heads=true pairs for_depth's layers, and --long_window_blocks sets the "
+                                    "layout by lists; pass --paired_head_blocks instead"),
+                  Refusal(lambda a: bool(block_list(a.paired_head_blocks)) and a.n_head % 2 == 1,
+                          lambda a: f"--paired_head_blocks pairs heads, so --n_head={a.n_head} must be even; pass "
+                                    "an even --n_head")),
+        reads_previous_token=True,  # paired blocks interleave positions, which the KV cache cannot extend
+        only_when=(only_if(("attention_free_blocks", "paired_head_blocks", "value_embed_blocks"),
+                           lambda a: bool(a.long_window_blocks), "--long_window_blocks (the layout by lists)",
+                           lambda a: "for_depth's layout"),
+                   only_with("value_embed_blocks", switch="value_embeds"),
+                   only_if(("value_embed_tables", "attention_free_layer"), lambda a: not a.long_window_blocks,
+                           "for_depth's layout (no --long_window_blocks)",
+                           lambda a: f"the layout by lists (--long_window_blocks={a.long_window_blocks})"))),
+    Technique(
+        "ve_gate_reads_value", ("2026-02-03_VeTuned",), "model", {"ve_gate_reads_value": ANY_BOOL},
+        {}, left_out={preset: RECORD_ONLY for preset in PRESETS},
+        refusals=(Refusal(lambda a: a.ve_gate_reads_value and a.gate_dims % 2 == 1,
+                          lambda a: f"--ve_gate_reads_value=true splits the gate's --gate_dims={a.gate_dims} dims "
+                                    "between the stream and the value embedding; pass an even --gate_dims"),),
+        only_when=(only_with("ve_gate_reads_value", switch="ve_gates"),)),
+    Technique(
+        "record_89_init", ("2026-02-03_VeTuned",), "model",
+        {"value_embed_init_std": number(0.0), "attn_proj_uniform_init": ANY_BOOL},
+        {}, left_out={preset: RECORD_ONLY for preset in PRESETS},
+        refusals=(Refusal(lambda a: a.value_embed_init_std and a.value_embed_zero_init,
+                          lambda a: f"--value_embed_init_std={a.value_embed_init_std} and --value_embed_zero_init=true "
+                                    "both set the value tables' init; pass one"),)),
+    Technique(
+        "sublayer_lambdas", ("2026-03-06_SimplifyHC",), "model", {"sublayer_lambdas": ANY_BOOL},
+        {}, left_out={preset: RECORD_ONLY for preset in PRESETS}),
+    Technique(
+        "attention_cache", ("2026-03-06_SimplifyHC",), "model", {"attention_cache_block": integer(0)},
+        {}, left_out={preset: RECORD_ONLY for preset in PRESETS},
+        refusals=(Refusal(lambda a: a.attention_cache_block >= a.n_layer - 1,
+                          lambda a: f"--attention_cache_block={a.attention_cache_block} leaves no later block to "
+                                    f"attend over its stream (--n_layer={a.n_layer}); pass at most {a.n_layer - 2}"),)),
+    Technique(
+        "mudd_gates", ("2026-04-29_XSAGatedLayers", "2026-05-27-MuddGatedAndDC"), "model",
+        {"mudd_gate_block": integer(0), "output_gate_blocks": BLOCK_LIST, "xsa_blocks": BLOCK_LIST,
+         "dc_blocks": BLOCK_LIST},
+        {}, left_out={preset: RECORD_ONLY for preset in PRESETS},
+        refusals=(Refusal(lambda a: a.mudd_gate_block >= a.n_layer,
+                          lambda a: f"--mudd_gate_block={a.mudd_gate_block} is past the last layer ({a.n_layer - 1} "
+                                    f"of --n_layer={a.n_layer}); pass a block below {a.n_layer}"),
+                  Refusal(lambda a: paired_clash(a) is not None, paired_clash),
+                  Refusal(lambda a: a.mudd_gate_block and a.skip_gates,
+                          lambda a: "--skip_gates=true gates the skips, and --mudd_gate_block's post gate gates them "
+                                    "too; pass --skip_gates=false"),
+                  Refusal(lambda a: a.mudd_gate_block and a.x0_lambda_lr is not None,
+                          lambda a: "--x0_lambda_lr sets the x0 lambdas' lr, and --mudd_gate_block injects x0 by "
+                                    "gates instead; drop --x0_lambda_lr"),
+                  Refusal(lambda a: a.mudd_gate_block and a.unet_skips and
+                          any(b < a.mudd_gate_block for _, b in skip_pairs(a.skip_connections) or ()),
+                          lambda a: f"--skip_connections={a.skip_connections} adds a skip before --mudd_gate_block="
+                                    f"{a.mudd_gate_block}, whose post gate weighs it; skip into later blocks")),
+        reads_previous_token=True,  # DC reads the keys before the token, which the KV cache's attention hides
+        only_when=(only_if(("output_gate_blocks", "xsa_blocks", "dc_blocks"), lambda a: a.mudd_gate_block > 0,
+                           "a --mudd_gate_block (the gates come from its generators)",
+                           lambda a: "--mudd_gate_block=0"),)),
+    Technique(
+        "mudd", ("2026-04-22_MuddFormer",), "model", {"mudd": ANY_BOOL},
+        {}, left_out={preset: RECORD_ONLY for preset in PRESETS},
+        refusals=(Refusal(lambda a: a.mudd and mudd_problem(a) is not None, mudd_problem),
+                  Refusal(lambda a: a.mudd and a.backout,
+                          lambda a: "--backout=true subtracts a stream before the head, which --mudd=true's exit "
+                                    "coefficient on h7 replaces (T:1394); pass --backout=false"))),
     Technique(
         "window_stages", ("2025-12-31_BulkSmallTrackTransfer",), "schedule",
         {"window_stages": Rule(lambda v: v == "" or window_stage_blocks(v) is not None,
@@ -3690,6 +4165,16 @@ def v2_values(preset: str) -> dict[str, object]:
 RECORD_VALUES: dict[str, dict[str, object]] = {
     "speedrun": dict(
         # the layout and the residual stream (T:1208-1500, T:1530-1690)
+        n_layer=11, long_window_blocks="3,10", attention_free_blocks="6",  # T:2236; T:1494 (bm_sizes), T:1592
+        paired_head_blocks="0,2,5,9", value_embed_blocks="1,2,8,9,10",  # T:1252; T:1543 (tables 0-4 in turn)
+        key_offset=True, value_embeds=True, pad_embed_tables=True,  # T:1496 (long windows); T:1216-1261 (50304)
+        unet_skips=True, skip_connections="3>6", skip_sigmoid=True,  # T:1592-1595, T:1346 (lambda -1.5)
+        sublayer_lambdas=True, attention_cache_block=7, mudd=True,  # T:1334-1338; T:1598; T:1352-1401, T:1677
+        mudd_gate_block=4, output_gate_blocks="3,10", xsa_blocks="1,3,4,7", dc_blocks="10",  # T:1238-1240, T:1580
+        smear=True, ve_gates=True, ve_gate_reads_value=True,  # T:1326-1327, T:1547; T:1613-1614
+        attn_output_lambda=True, attn_proj_uniform_init=True, value_embed_init_std=0.01,  # T:1103/1161; T:1293; T:1261
+        bigram_vocab_size=15 * 50304 // 2, bigram_dim=768, bigram_sign=True,  # T:1902-1903 (377,280 x 768), T:1331
+        head_init_std=0.005,  # T:1225-1226 (the embedding is its transpose while tied: tied_embed_steps)
         # attention's additions: XSA and DC (T:1072-1161)
         muon_qk_head_pairs=True,  # T:1272-1279: Q and K orthogonalised as 3 + 3 (256 x 768) head-pair groups
         # the loss: prefix tokens (T:1175-1198, K:1066-1168)
@@ -3723,7 +4208,19 @@ RECORD_VALUES: dict[str, dict[str, object]] = {
         gate_adam_lr=8e-5, gate_scalar_betas=True, ve_gate_lr=0.008,  # T:2031 (lr_mul 0.01), T:2032 (decay 0.005)
     ),
     "cpu": dict(
-        # the layout and the residual stream
+        # the layout and the residual stream: the record's 11 blocks and roles at the cpu width (256 = 4 x 64; the
+        # record's gates read 12 dims of it); a smaller bigram table (5 x 50304 rows, as recipe v2's cpu one) so 60
+        # CPU steps stay quick, over the whole stream as the record's
+        n_layer=11, long_window_blocks="3,10", attention_free_blocks="6",  # T:2236; T:1494, T:1592
+        paired_head_blocks="0,2,5,9", value_embed_blocks="1,2,8,9,10",  # T:1252; T:1543
+        key_offset=True, value_embeds=True, pad_embed_tables=True,  # T:1496; T:1216-1261
+        unet_skips=True, skip_connections="3>6", skip_sigmoid=True,  # T:1592-1595, T:1346
+        sublayer_lambdas=True, attention_cache_block=7, mudd=True,  # T:1334-1338; T:1598; T:1352-1401
+        mudd_gate_block=4, output_gate_blocks="3,10", xsa_blocks="1,3,4,7", dc_blocks="10",  # T:1238-1240, T:1580
+        smear=True, ve_gates=True, ve_gate_reads_value=True,  # T:1326-1327; T:1613-1614
+        attn_output_lambda=True, attn_proj_uniform_init=True, value_embed_init_std=0.01,  # T:1103/1161; T:1293; T:1261
+        bigram_vocab_size=5 * 50304, bigram_dim=0, bigram_sign=True,  # T:1903: the whole stream; T:1331
+        head_init_std=0.005,  # T:1225-1226
         # attention's additions: XSA and DC
         muon_qk_head_pairs=True,  # T:1272-1279: per head pair, at the cpu width 2 + 2 (128 x 256) groups
         # the loss: prefix tokens
@@ -3891,8 +4388,9 @@ def validate_args(args: Hyperparameters, explicit: typing.Collection[str] | None
             raise UsageError(f"--{name}={getattr(args, name)} is not a multiple of the {BLOCK_SIZE}-token block")
     if args.val_tokens % args.val_seq_len:
         raise UsageError(f"--val_tokens={args.val_tokens} is not a multiple of --val_seq_len={args.val_seq_len}")
-    if args.n_layer % 2:
-        raise UsageError(f"--n_layer={args.n_layer}: the U-net layout needs an even depth >= 2")
+    if args.n_layer % 2 and not args.long_window_blocks:
+        raise UsageError(f"--n_layer={args.n_layer}: the U-net layout needs an even depth >= 2 (or the layout by "
+                         "lists, --long_window_blocks)")
     if args.head_dim % 4:
         raise UsageError(f"--head_dim={args.head_dim} must be a positive multiple of 4 (half-truncated rotary)")
     if args.value_embeds and args.model_dim != args.n_head * args.head_dim:

@@ -151,6 +151,12 @@ BAD_VALUES = {  # field: (a value just inside the valid range, values outside it
     "gate_scalar_betas": ("true", ["x"]), "ve_gate_lr": ("0.008", ["-1", "x"]),
     # record #89's techniques (--recipe=record)
     "muon_qk_head_pairs": ("true", ["x"]),
+    # record #89's layout and residual stream
+    "long_window_blocks": ("3,5", ["x", "-1", "3,"]), "attention_free_blocks": ("", ["six"]),
+    "paired_head_blocks": ("0", ["0.5"]), "value_embed_blocks": ("", ["1;2"]), "ve_gate_reads_value": ("true", ["x"]),
+    "value_embed_init_std": ("0.01", ["-0.01", "nan"]), "attn_proj_uniform_init": ("true", ["x"]),
+    "sublayer_lambdas": ("true", ["x"]), "attention_cache_block": ("0", ["-1"]), "mudd_gate_block": ("0", ["-1"]),
+    "output_gate_blocks": ("", ["a"]), "xsa_blocks": ("", ["1,x"]), "dc_blocks": ("", ["-3"]), "mudd": ("false", ["x"]),
 }
 
 
@@ -164,7 +170,8 @@ USED_ONLY_WITH = {"matrix_adam_lr": ["--muon=false"], "batch_lr_exponent": ["--b
                   "adam_cautious_wd": ["--cautious_wd=true"], "stage_lr_shares": ["--batch_schedule=1/2,1"],
                   "yarn_max_window": ["--window_stages=1,2"], "muon_gate_lr_mul": ["--muon_gates=true"],
                   "rounded_stages": ["--window_stages=1,2"], "extension_window_blocks": ["--extension_steps=2"],
-                  "stage_doc_len_caps": ["--batch_schedule=1/2,1", "--bos_align=true"]}
+                  "stage_doc_len_caps": ["--batch_schedule=1/2,1", "--bos_align=true"],
+                  "paired_head_blocks": ["--long_window_blocks=1"], "ve_gate_reads_value": ["--ve_gates=true"]}
 
 
 @pytest.mark.parametrize("name", sorted(BAD_VALUES))
@@ -245,6 +252,10 @@ UNUSED = {
     "rounded_stages": ["--rounded_stages=true"], "extension_window_blocks": ["--extension_window_blocks=13"],
     "stage_doc_len_caps": ["--bos_align=true", "--stage_doc_len_caps=896"],
     "fp8_head_scales": ["--fp8_head=false", "--loss_sum=true", "--fp8_head_scales=record"],
+    "attention_free_blocks": ["--attention_free_blocks=1"], "paired_head_blocks": ["--paired_head_blocks=0"],
+    "value_embed_blocks": ["--value_embed_blocks=1"], "ve_gate_reads_value": ["--ve_gate_reads_value=true"],
+    "output_gate_blocks": ["--output_gate_blocks=1"], "xsa_blocks": ["--xsa_blocks=1"], "dc_blocks": ["--dc_blocks=1"],
+    "attention_free_layer": ["--long_window_blocks=1", "--attention_free_layer=false"],
 }
 
 
@@ -326,3 +337,45 @@ def test_ranges_that_depend_on_another_flag_are_refused(argv, message):
     with pytest.raises(T.UsageError) as e:
         T.parse_args(["--preset=cpu", *argv] if "--preset=medium" not in argv else argv, False)
     assert message in str(e.value)
+
+
+# ----------------------------------------------------------------------------- record #89's layout: refusals
+
+@pytest.mark.parametrize("flags, match", [
+    (["--long_window_blocks=3,6"], "names block 6, past the last layer (5 of --n_layer=6)"),
+    (["--long_window_blocks=3", "--attention_free_blocks=3"], "gives block 3 an attention role"),
+    (["--long_window_blocks=3", "--attention_free_blocks=2", "--mudd_gate_block=1", "--dc_blocks=2"],
+     "gives block 2 an attention role"),
+    (["--long_window_blocks=3", "--paired_head_blocks=1", "--mudd_gate_block=2", "--xsa_blocks=1"],
+     "XSA needs unpaired heads"),
+    (["--long_window_blocks=1", "--paired_heads=true"], "pass --paired_head_blocks instead"),
+    (["--attention_cache_block=5"], "leaves no later block to attend over its stream"),
+    (["--ve_gates=true", "--ve_gate_reads_value=true", "--gate_dims=11"], "pass an even --gate_dims"),
+    (["--value_embed_init_std=0.01", "--value_embed_zero_init=true"], "both set the value tables' init; pass one"),
+    (["--mudd_gate_block=6"], "--mudd_gate_block=6 is past the last layer"),
+    (["--mudd_gate_block=3", "--skip_gates=true"], "pass --skip_gates=false"),
+    (["--mudd_gate_block=4", "--skip_connections=1>3"], "adds a skip before --mudd_gate_block=4"),
+    (["--mudd=true"], "--mudd=true needs an --attention_cache_block"),
+    (["--mudd=true", "--attention_cache_block=2", "--skip_connections=1>3,0>4"], "exactly one --skip_connections"),
+    (["--mudd=true", "--attention_cache_block=2", "--skip_connections=1>3", "--long_window_blocks=1",
+      "--value_embed_blocks=1"], "a value table read by the last block"),
+    (["--mudd=true", "--attention_cache_block=2", "--skip_connections=1>3", "--long_window_blocks=1",
+      "--value_embed_blocks=5", "--backout=true"], "pass --backout=false"),
+])
+def test_record_layout_refuses_what_it_cannot_run_in_one_line(flags, match):
+    with pytest.raises(T.UsageError) as e:
+        T.parse_args(["--preset=cpu", *flags], False)
+    assert match in str(e.value) and "\n" not in str(e.value)
+
+
+def test_for_depths_layout_flags_are_refused_with_the_layout_by_lists():
+    with pytest.raises(T.UsageError, match="only matters with for_depth's layout"):
+        T.parse_args(["--preset=cpu", "--long_window_blocks=1", "--value_embed_tables=2"], False)
+
+
+def test_record_recipe_resolves_and_keeps_the_reference_layout_elsewhere():
+    speedrun = T.parse_args(["--preset=speedrun", "--recipe=record"], True)
+    got = (speedrun.n_layer, speedrun.mudd, speedrun.mudd_gate_block, speedrun.attention_cache_block)
+    assert got == (11, True, 4, 7)
+    assert T.parse_args(["--preset=cpu", "--recipe=record"], False).model_dim == 256
+    assert not T.GPT(T.ModelConfig.of(T.parse_args(["--preset=cpu"], False))).streamed

@@ -1142,3 +1142,247 @@ def test_the_record_head_scales_reach_the_fp8_matmul_forward_and_backward(monkey
         model.lm_head(x).float().sum().backward()
         assert seen == [(pytest.approx(expected[0][0]), pytest.approx(expected[0][1])), pytest.approx(expected[1])]
         seen.clear()
+
+
+# ----------------------------------------------------------------------------- record #89's layout and stream
+
+# The record's layout and stream flags (RECORD_VALUES' "layout and residual stream" section), on a tiny width; the
+# shifts cross documents as the record's code does, so the slow reference below can follow T: line by line.
+RECORD_STREAM = ["--n_layer=11", "--long_window_blocks=3,10", "--attention_free_blocks=6",
+                 "--paired_head_blocks=0,2,5,9", "--value_embed_blocks=1,2,8,9,10", "--key_offset=true",
+                 "--pad_embed_tables=true", "--unet_skips=true", "--skip_connections=3>6", "--skip_sigmoid=true",
+                 "--sublayer_lambdas=true", "--attention_cache_block=7", "--mudd=true", "--mudd_gate_block=4",
+                 "--output_gate_blocks=3,10", "--xsa_blocks=1,3,4,7", "--dc_blocks=10", "--smear=true",
+                 "--ve_gates=true", "--ve_gate_reads_value=true", "--attn_output_lambda=true",
+                 "--attn_proj_uniform_init=true", "--value_embed_init_std=0.01", "--bigram_vocab_size=1000",
+                 "--bigram_dim=0", "--bigram_sign=true", "--head_init_std=0.005", "--cross_document_shifts=true"]
+
+
+def record_stream_args(*extra):
+    return T.parse_args(["--preset=cpu", "--model_dim=64", "--n_head=2", "--head_dim=32", "--seq_len=256",
+                         "--val_seq_len=256", "--val_tokens=256", "--dtype=fp32", *RECORD_STREAM, *extra], False)
+
+
+def record_stream_model(randomised=True, seed=0):
+    args = record_stream_args()
+    torch.manual_seed(seed)
+    model = T.GPT(T.ModelConfig.of(args))
+    if randomised:  # every gate and coefficient away from its init, so every path carries signal
+        gen = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                # the attention lambdas stay near (0.5, 1): a v near zero would make XSA's projection ill-conditioned
+                scale = 0.05 if p.ndim >= 2 or name.endswith("attn.lambdas") else 0.3
+                p.add_(torch.randn(p.shape, generator=gen) * scale)
+    return model
+
+
+def record_block_attention(model, i, a, aux_v, tokens, gates):
+    """Block i's attention as T:1090-1161 writes it, over whole documents (the windows cover the sequence): q, k, v
+    from lambda0 W_qkv, QK rms, rotary, the key offset on 3 and 10 (across documents), paired blocks on
+    interleaved positions, then DC (10), XSA, the output gate and lambda1 W_O."""
+    attn, n = model.blocks[i].attn, a.size(1)
+    H, d = attn.n_head, attn.head_dim
+    q, k, v = ((a @ (attn.lambdas[0] * attn.qkv_w[j]).T).view(1, n, H, d) for j in range(3))
+    q, k = F.rms_norm(q, (d,)), F.rms_norm(k, (d,))
+    if aux_v is not None:
+        v = v + aux_v
+    paired = i in (0, 2, 5, 9)
+    if paired:
+        q, k, v = T.pair_heads(q), T.pair_heads(k), T.pair_heads(v)
+    q, k = attn.rotary(q), attn.rotary(k)
+    if i in (3, 10):
+        stationary = torch.arange(d) % (d // 2) >= d // 4
+        k = torch.where(stationary, torch.cat([k[:, :1], k[:, :-1]], dim=1), k)
+    docs = T.document_ids(T.paired_tokens(tokens) if paired else tokens)
+    pos = torch.arange(q.size(1))
+    allowed = (pos[None] <= pos[:, None]) & (docs[None] == docs[:, None])
+    scores = torch.einsum("bthd,bshd->bhts", q, k) * attn.scale
+    y = torch.einsum("bhts,bshd->bthd", scores.masked_fill(~allowed, -math.inf).softmax(-1), v)
+    if paired:
+        y = T.unpair_heads(y)
+    if i == 10:  # DC over 112 keys, w1 rms-normed over heads (section 4.6)
+        w1, w2 = gates["dc1"], gates["dc2"]
+        near = allowed & (pos[None] > pos[:, None] - 112)
+        probs = (scores.masked_fill(~near, -math.inf)).softmax(-1)
+        w1n = w1 / torch.sqrt(w1.square().mean(-1, keepdim=True) + 1e-6)
+        mixed = (w1n.permute(0, 2, 1)[..., None] * probs).sum(1)  # (1, T, S)
+        y = y + w2[..., None] * torch.einsum("bts,bshd->bthd", mixed, v)
+    if i in gates["xsa"]:
+        along = (y * v).sum(-1, keepdim=True) / v.square().sum(-1, keepdim=True).clamp_min(1e-8)
+        y = y - torch.tanh(gates["xsa"][i])[..., None] * along * v
+    if i in gates["output"]:
+        y = y * gates["output"][i][..., None]
+    return y.reshape(1, n, -1) @ (attn.lambdas[1] * attn.c_proj.weight).T
+
+
+def reference_record_stream(model, tokens):
+    """Record #89's stream, T:1530-1680 with the record's own gate offsets (section 4.1-4.3), for any even n_head."""
+    H = model.config.n_head
+    x0 = model.embedded(tokens, None)
+    bigram = model.bigram_vector(tokens, x0.size(-1))
+    ve = [emb(tokens)[None] for emb in model.value_embeds]
+    ve_of = {1: ve[0], 2: ve[1], 8: ve[2], 9: ve[3], 10: ve[4]}
+
+    def gate(x, j, n):
+        hidden = F.gelu(x @ model.mudd_gate_w1[j].T)
+        return model.mudd_gate_scale * (hidden @ model.mudd_gate_w2[j, :n].T + model.mudd_gate_b2[j, :n])
+
+    def mudd(x, j, n):
+        hidden = F.gelu(x @ model.mudd_w1[j].T)
+        return (0.1 * (hidden @ model.mudd_w2[j, :n].T + model.mudd_b2[j, :n])).split(1, dim=-1)
+
+    pre = gate(x0, 0, 3 * H + 8)  # T:1443: xsa[1], xsa[3], attn[3], then x0 and bigram for blocks 0-3
+    gates = {"xsa": {1: pre[..., :H], 3: pre[..., H:2 * H]}, "output": {3: pre[..., 2 * H:3 * H]}}
+    x0_gate = {b: pre[..., 3 * H + 2 * b:3 * H + 2 * b + 1] for b in range(4)}
+    bigram_gate = {b: pre[..., 3 * H + 2 * b + 1:3 * H + 2 * b + 2] for b in range(4)}
+    x = c0 = x0 + bigram_gate[0] * bigram
+    cache, skip_gate = {}, None
+    for i, block in enumerate(model.blocks):
+        r = model.resid_lambdas[i]
+        p = model.post_lambdas[i]
+        if i == 4:  # T:1580-1589: xsa[4], xsa[7], attn[10], x0/bigram for 4, 5, 7, 8, 9, skip, dc w1, dc w2
+            post = gate(x, 1, 5 * H + 11)
+            gates["xsa"].update({4: post[..., :H], 7: post[..., H:2 * H]})
+            gates["output"][10] = post[..., 2 * H:3 * H]
+            for m, b in enumerate((4, 5, 7, 8, 9)):
+                x0_gate[b] = post[..., 3 * H + 2 * m:3 * H + 2 * m + 1]
+                bigram_gate[b] = post[..., 3 * H + 2 * m + 1:3 * H + 2 * m + 2]
+            skip_gate = post[..., 3 * H + 10:3 * H + 11]
+            gates["dc1"], gates["dc2"] = post[..., 3 * H + 11:4 * H + 11], post[..., 4 * H + 11:5 * H + 11]
+        if i == 6:
+            x = x + torch.sigmoid(model.skip_lambdas[0]) * skip_gate * cache[3]
+            x = r[1] * x + p[1] * block.mlp(F.rms_norm(x, (x.size(-1),)))
+            continue
+        a = F.rms_norm(cache.get(7, x), (x.size(-1),))
+        if i == 10:
+            cache[9] = x
+            mu = mudd(x, 0, 14)
+            aux_v = (mu[0] * c0 + mu[1] * cache[7] + mu[2] * x).view(1, -1, H, x.size(-1) // H)
+            x = (1 + mu[5]) * x + mu[3] * c0 + mu[4] * cache[7]
+            ve_gate = torch.cat([mu[6], mu[7]], dim=-1).repeat_interleave(H // 2, dim=-1)[..., None]
+            aux_v = ve_gate * ve_of[i].view_as(aux_v) + aux_v
+            o = record_block_attention(model, i, a, aux_v, tokens, gates)
+            x = mu[8] * x + mu[9] * o + mu[10] * c0 + mu[11] * bigram
+            x = mu[12] * x + mu[13] * block.mlp(F.rms_norm(x, (x.size(-1),)))
+            continue
+        aux_v = None
+        if i in ve_of:
+            gate_in = torch.cat([a[..., :6], ve_of[i][..., :6]], dim=-1)
+            aux_v = (2 * torch.sigmoid(gate_in @ block.attn.ve_gate.T))[..., None] * ve_of[i].view(1, -1, H,
+                                                                                                x.size(-1) // H)
+        o = record_block_attention(model, i, a, aux_v, tokens, gates)
+        x = r[0] * x + p[0] * o + x0 * x0_gate[i]
+        if i != 0:
+            x = x + bigram * bigram_gate[i]
+        x = r[1] * x + p[1] * block.mlp(F.rms_norm(x, (x.size(-1),)))
+        if i in (3, 7):
+            cache[i] = x
+    nu = mudd(x, 1, 5)
+    return x + nu[0] * c0 + nu[1] * cache[7] + nu[2] * cache[9] + nu[3] * ve[0] + nu[4] * cache[3]
+
+
+def test_record_stream_matches_a_slow_reference_forward_and_gradient():
+    """The whole record-layout trunk (gates, XSA, DC, output gates, injections, r/p, h7, MUDD) against the record's
+    code written out with its literal gate offsets: the same stream, and the same gradient for every parameter."""
+    model = record_stream_model()
+    tokens = tokens_with_docs(256, [0, 90, 200])
+    probe = torch.randn(1, 256, 64, generator=torch.Generator().manual_seed(3))
+    got = model.trunk(tokens, model.layer_attention(tokens, T.window_tensor(8)))
+    (got * probe).sum().backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    expected = reference_record_stream(model, tokens)
+    (expected * probe).sum().backward()
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-3)  # fp32, two attention orders of summation
+    assert set(grads) == {n for n, p in model.named_parameters() if p.grad is not None}
+    for name, p in model.named_parameters():
+        if p.grad is not None:
+            torch.testing.assert_close(grads[name], p.grad, atol=1e-4, rtol=1e-3, msg=name)
+
+
+def test_record_gates_and_mudd_at_init_make_block_10_a_static_block():
+    """Section 4.2/4.3: at init every gate is its bias (XSA and x0 0, output gates 0.25, bigrams 0.05, the skip 0.5,
+    DC w1 1 and w2 0); block 10's MUDD is (0, 0, 0, 0, 0, 0, 2, 2, sqrt(1.1), 1, 0, 0.05, sqrt(1.1), 1), i.e.
+    x <- sqrt(1.1) x + o + 0.05 bigram, then sqrt(1.1) x + MLP, VE gate 2 and no x0; the exit subtracts 0.5 h7."""
+    model = record_stream_model(randomised=False)
+    x = torch.randn(1, 128, 64)
+    mu = torch.cat(model.mudd_coefficients(x, 0, 14), dim=-1)
+    want = torch.tensor([0, 0, 0, 0, 0, 0, 2, 2, 1.1 ** 0.5, 1, 0, 0.05, 1.1 ** 0.5, 1]).expand_as(mu)
+    torch.testing.assert_close(mu, want, atol=1e-6, rtol=1e-6)
+    nu = torch.cat(model.mudd_coefficients(x, 1, 5), dim=-1)
+    torch.testing.assert_close(nu, torch.tensor([0, -0.5, 0, 0, 0]).expand_as(nu), atol=1e-6, rtol=1e-6)
+    inits = {"output_gate": 0.25, "bigram": 0.05, "skip": 0.5, "dc1": 1.0}
+    for j in (0, 1):
+        for (kind, _), value in model.gates_from(x, j).items():
+            torch.testing.assert_close(value, torch.full_like(value, inits.get(kind, 0.0)), atol=1e-6, rtol=1e-6)
+    assert len(model.gate_columns[0]) == 2 + 1 + 8 and len(model.gate_columns[1]) == 2 + 1 + 10 + 1 + 2
+    assert torch.equal(model.resid_lambdas, torch.full((11, 2), 1.1 ** 0.5)) and torch.equal(
+        model.post_lambdas, torch.ones(11, 2))
+    std = model.value_embeds[0].weight.std().item()
+    assert 0.009 < std < 0.011  # T:1261: 0.01 N(0, 1)
+    o = model.blocks[0].attn.c_proj.weight
+    assert o.abs().max() <= 0.5 * 3 ** 0.5 / 8 and o.std() > 0.01  # T:1293: uniform like V, not zero
+    assert model.blocks[0].mlp.c_proj.weight.abs().max() == 0  # T:1308: the MLP's out projection stays zero
+
+
+def test_record_layout_roles():
+    """Section 4.1's roles from the block lists (T:1238-1252, T:1494-1496, T:1543)."""
+    roles = record_stream_model(randomised=False).roles
+    assert [i for i, on in enumerate(roles.attention) if not on] == [6]
+    assert [i for i, on in enumerate(roles.long_window) if on] == [3, 10] == \
+        [i for i, on in enumerate(roles.key_offset) if on]
+    assert [i for i, on in enumerate(roles.paired_heads) if on] == [0, 2, 5, 9]
+    assert roles.value_embed == (None, 0, 1, None, None, None, None, None, 2, 3, 4)
+    assert [i for i, on in enumerate(roles.xsa) if on] == [1, 3, 4, 7] and roles.dc[10] and sum(roles.dc) == 1
+    assert [i for i, on in enumerate(roles.output_gate) if on] == [3, 10]
+    assert T.LayerRoles.of(T.ModelConfig.of(small_args())) == T.LayerRoles.for_depth(2, True)
+
+
+def test_record_parameter_shapes_at_the_speedrun_shape():
+    """Section 6 on the meta device: the record's shapes, and its stored count 643,751,335 less the padding slots
+    (7,864,320: Q/K, V/O and MLP bank rows) and 74 unused slots (the 5th VE gate's 72, two pad scalars)."""
+    args = T.parse_args(["--preset=speedrun", "--recipe=record"], True)
+    with torch.device("meta"):
+        model = T.GPT(T.ModelConfig.of(args))
+    shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    assert shapes["lm_head.weight"] == shapes["embed.weight"] == (50304, 768)
+    assert [shapes[f"value_embeds.{j}.weight"] for j in range(5)] == [(50304, 768)] * 5
+    assert shapes["bigram_embed.weight"] == (377280, 768)
+    assert shapes["resid_lambdas"] == shapes["post_lambdas"] == (11, 2)
+    assert shapes["mudd_w1"] == shapes["mudd_gate_w1"] == (2, 64, 768)
+    assert shapes["mudd_w2"] == (2, 14, 64) and shapes["mudd_b2"] == (2, 14)
+    assert shapes["mudd_gate_w2"] == (2, 41, 64) and shapes["mudd_gate_b2"] == (2, 41)
+    assert shapes["mudd_gate_scale"] == ()
+    assert sum(p.numel() for p in model.parameters()) == 643_751_335 - 7_864_320 - 74
+
+
+def test_record_stream_parameters_take_the_records_adam_groups_and_stay_out_of_muon():
+    """Rows 102, 103, 106, 107 (T:2035-2049, base lr 0.008 = the head's): r at 0.04 and p at 0.008 with betas
+    (0.9, 0.95); MUDD's W1/W2 at 0.002 and the gate generators' G1/G2 at 0.0008 with (0.9, 0.99) and the cautious
+    decay, their biases and s_g without it. None of them is a Muon matrix."""
+    args = record_stream_args("--head_lr=0.008", "--cautious_wd=true", "--adam_cautious_wd=0.005")
+    model = T.GPT(T.ModelConfig.of(args))
+    opt = T.build_optimizers(model, args, rank=0, world_size=1)
+    names = {p: n for n, p in model.named_parameters()}
+    muon = {names[p] for b in opt.muon.buckets for p in b.real}
+    assert not any(n.startswith(("mudd", "resid_lambdas", "post_lambdas")) for n in muon)
+    groups = {names[g.param]: g for g in T.adam_groups(model, args, [p for b in opt.muon.buckets for p in b.real])}
+    want = {"resid_lambdas": (0.04, (0.9, 0.95), 0.0), "post_lambdas": (0.008, (0.9, 0.95), 0.0),
+            "mudd_w1": (0.002, (0.9, 0.99), 0.005), "mudd_w2": (0.002, (0.9, 0.99), 0.005),
+            "mudd_b2": (0.002, (0.9, 0.99), 0.0), "mudd_gate_w1": (0.0008, (0.9, 0.99), 0.005),
+            "mudd_gate_w2": (0.0008, (0.9, 0.99), 0.005), "mudd_gate_b2": (0.0008, (0.9, 0.99), 0.0),
+            "mudd_gate_scale": (0.0008, (0.9, 0.99), 0.0)}
+    for name, (lr, betas, wd) in want.items():
+        g = groups[name]
+        assert g.betas == betas and (g.lr, g.cautious_wd, g.weight_decay) == pytest.approx((lr, wd, 0.0)), name
+
+
+def test_record_stream_traces_as_one_graph():
+    """torch.compile traces the whole record trunk without a graph break (a break would compile each block's helpers
+    as frames of their own, recompiling per block past dynamo's limit)."""
+    model = record_stream_model()
+    tokens = tokens_with_docs(256, [0, 90, 200])
+    attention = model.layer_attention(tokens, T.window_tensor(8))
+    compiled = torch.compile(model.trunk, backend="eager", fullgraph=True)
+    torch.testing.assert_close(compiled(tokens, attention), model.trunk(tokens, attention))

@@ -48,7 +48,7 @@ def readme_recipes_rows():
     text = (REPO / "docs" / "techniques.md").read_text()
     table = text[text.index("| technique | flags (v2 value) | record folder"):].split("\n\n")[0].splitlines()[2:]
     rows = [line.split(" | ") for line in table]
-    return [(set(re.findall(r"`(\w+)`", row[1])), set(re.findall(r"\d{4}-\d\d-\d\d_\w+", row[2]))) for row in rows]
+    return [(set(re.findall(r"`(\w+)`", row[1])), set(re.findall(r"\d{4}-\d\d-\d\d[_-]\w+", row[2]))) for row in rows]
 
 
 def test_the_readme_recipes_table_lists_every_technique_with_its_flags_and_records():
