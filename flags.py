@@ -177,10 +177,11 @@ def parse_overrides(cls: type, argv: list[str]) -> dict[str, object]:
     return overrides
 
 
-def help_lines(values: object, others: dict[str, object], same: tuple[str, ...] = ()) -> list[str]:
+def help_lines(values: object, others: dict[str, object], same: tuple[str, ...] = (),
+               sources: dict[str, str] | None = None) -> list[str]:
     """--help's flag lines: every field of the dataclass instance `values` in its group, as --name=value, then
     [other: x] for each of `others` (label: another instance) whose value differs (fields in `same` never
-    show one), then the field's doc."""
+    show one), then (from: source) where `sources` names where the value comes from, then the field's doc."""
     lines = []
     for f in dataclasses.fields(values):
         if f.metadata.get("group"):
@@ -189,8 +190,9 @@ def help_lines(values: object, others: dict[str, object], same: tuple[str, ...] 
         differ = ", ".join(f"{label}: {flag_text(getattr(other, f.name))}" for label, other in others.items()
                            if getattr(other, f.name) != value and f.name not in same)
         doc = f.metadata.get("doc", "")
+        source = (sources or {}).get(f.name)
         lines.append(f"  --{f.name}={flag_text(value)}" + (f" [{differ}]" if differ else "")
-                     + (f"  {doc}" if doc else ""))
+                     + (f" (from: {source})" if source else "") + (f"  {doc}" if doc else ""))
     return lines
 
 

@@ -89,8 +89,9 @@ class Hyperparameters:
     tests/test_config.py pins."""
     preset: str = flag("auto", "speedrun | cpu | medium; auto picks speedrun when CUDA is present, cpu otherwise",
                        group="general")
-    recipe: str = flag("reference", "reference (R, bit for bit) | v2: the later records' techniques (TECHNIQUES) | "
-                                    "record: record #89 (f411b3d3) value for value, speedrun and cpu presets")
+    recipe: str = flag("auto", "reference (R, bit for bit) | v2: the later records' techniques (TECHNIQUES) | "
+                               "record: record #89 (f411b3d3) value for value, speedrun and cpu presets; auto: "
+                               "the preset's own (DEFAULT_RECIPES: record on speedrun, the GPU default)")
     seed: int = flag(0, "model initialisation (data order is fixed by the shards)")
     train_files: str = flag("data/fineweb10B/fineweb_train_*.bin", "", group="data")
     val_files: str = flag("data/fineweb10B/fineweb_val_*.bin", "")
@@ -399,16 +400,18 @@ def help_text(overrides: dict[str, object]) -> str:
     preset = overrides.get("preset", "speedrun")
     chosen = resolve_hyperparameters({**overrides, "preset": preset if preset != "auto" else "speedrun"}, False)
     others = {name: resolve_hyperparameters({**overrides, "preset": name}, False) for name in PRESETS
-              if name != chosen.preset and recipe_fits(chosen.recipe, name)}
+              if name != chosen.preset and recipe_fits(overrides.get("recipe", Hyperparameters.recipe), name)}
     return "\n".join([
         "usage: torchrun --nproc_per_node=N train_gpt.py [--name=value ...]   (one process: python train_gpt.py)",
         f"Every flag is --name=value (a bare --name sets a switch true). Values shown: the {chosen.preset} preset, "
         f"recipe {chosen.recipe} (--preset=NAME --recipe=NAME --help shows another); [name: x] is another "
-        "preset's value.", *help_lines(chosen, others, same=("preset",))])
+        "preset's value; (from: ...) is where the recipe's value comes from.",
+        *help_lines(chosen, others, same=("preset",), sources=RECIPE_SOURCES[chosen.recipe][chosen.preset])])
 
 
 def recipe_fits(recipe: str, preset: str) -> bool:
-    """Whether a recipe has values for a preset: record #89's are the short track's, not the medium preset's."""
+    """Whether a recipe has values for a preset: record #89's are the short track's, not the medium preset's
+    (auto: each preset's own)."""
     return not (recipe == "record" and preset == "medium")
 
 
@@ -422,12 +425,15 @@ def resolve_hyperparameters(overrides: dict[str, object], cuda_available: bool,
     if preset not in PRESETS:
         raise UsageError(f"unknown preset {preset!r}; valid presets: {', '.join(PRESETS)}")
     recipe = overrides.get("recipe", Hyperparameters.recipe)
+    if recipe == "auto":
+        recipe = DEFAULT_RECIPES[preset]
     if recipe not in RECIPES:
         raise UsageError(f"unknown recipe {recipe!r}; valid recipes: {', '.join(RECIPES)}")
     if not recipe_fits(recipe, preset):
         raise UsageError("--recipe=record is the short track's record #89; the medium preset is track 2's record "
                          "already: pass --preset=speedrun or --preset=cpu, or drop --recipe")
-    args = Hyperparameters(**{**PRESETS[preset], **RECIPES[recipe][preset], **overrides, "preset": preset})
+    args = Hyperparameters(**{**PRESETS[preset], **RECIPES[recipe][preset], **overrides, "preset": preset,
+                              "recipe": recipe})
     validate_args(args, overrides if check_unused else None)
     return args
 
@@ -478,7 +484,7 @@ def check_unrecorded(recorded: dict, overrides: dict[str, object], path: Path) -
     """Refuses a checkpoint from an older train_gpt.py whose preset has since changed: a flag it does not record
     ran at its default, today's behaviour then, and its preset now sets the flag otherwise (the medium preset's
     record layout, say), so the run cannot go on as it began."""
-    preset, recipe = recorded.get("preset"), recorded.get("recipe", Hyperparameters.recipe)
+    preset, recipe = recorded.get("preset"), recorded.get("recipe", "reference")  # the only recipe then
     now = {**PRESETS.get(preset, {}), **RECIPES.get(recipe, {}).get(preset, {})}
     defaults = {f.name: f.default for f in fields(Hyperparameters)}
     changed = [f"{name}={flag_text(defaults[name])} (now {flag_text(value)})" for name, value in now.items()
@@ -4160,100 +4166,106 @@ def v2_values(preset: str) -> dict[str, object]:
 
 
 # --recipe=record: the public speedrun's record #89 (modded-nanogpt PR #342, "MLP down projection in FP8 with
-# efficient delayed scaling"; KellerJordan/modded-nanogpt at f411b3d3, "T:n" = a line of its train_gpt.py),
-# value for value (docs/track1-record-fidelity.md). On the cpu preset: the record's layout at the cpu width.
-RECORD_VALUES: dict[str, dict[str, object]] = {
-    "speedrun": dict(
-        # the layout and the residual stream (T:1208-1500, T:1530-1690)
-        n_layer=11, long_window_blocks="3,10", attention_free_blocks="6",  # T:2236; T:1494 (bm_sizes), T:1592
-        paired_head_blocks="0,2,5,9", value_embed_blocks="1,2,8,9,10",  # T:1252; T:1543 (tables 0-4 in turn)
-        key_offset=True, value_embeds=True, pad_embed_tables=True,  # T:1496 (long windows); T:1216-1261 (50304)
-        unet_skips=True, skip_connections="3>6", skip_sigmoid=True,  # T:1592-1595, T:1346 (lambda -1.5)
-        sublayer_lambdas=True, attention_cache_block=7, mudd=True,  # T:1334-1338; T:1598; T:1352-1401, T:1677
-        mudd_gate_block=4, output_gate_blocks="3,10", xsa_blocks="1,3,4,7", dc_blocks="10",  # T:1238-1240, T:1580
-        smear=True, ve_gates=True, ve_gate_reads_value=True,  # T:1326-1327, T:1547; T:1613-1614
-        attn_output_lambda=True, attn_proj_uniform_init=True, value_embed_init_std=0.01,  # T:1103/1161; T:1293; T:1261
-        bigram_vocab_size=15 * 50304 // 2, bigram_dim=768, bigram_sign=True,  # T:1902-1903 (377,280 x 768), T:1331
-        head_init_std=0.005,  # T:1225-1226 (the embedding is its transpose while tied: tied_embed_steps)
-        # attention's additions: XSA and DC (T:1072-1161)
-        muon_qk_head_pairs=True,  # T:1272-1279: Q and K orthogonalised as 3 + 3 (256 x 768) head-pair groups
-        # the loss: prefix tokens (T:1175-1198, K:1066-1168)
-        mtp_tokens=3, loss_weights_by_stage=True,  # T:1980-1988: MTP weights (1, .5, .25) by batch stage
-        prefix_loss_weight=0.25,  # T:1981-1983: 0.25 in stage 0, 0.25(1-t) in stage 1, 0 after; T:2317 the table
-        loss_sum=True,  # T:2360: model(...).sum(), the rank's summed per-token losses (K:1089 losses[row])
-        bf16_train_logits=True,  # K:1003-1005: the softcap's sigmoid rounded to bf16 before every use
-        logit_softcap=23.0, logit_offset=5.0,  # T:1690, K:1210 (A=23, B=5, C=7.5): 23 sigmoid((logits + 5) / 7.5)
-        cross_document_shifts=True,  # K:1073-1079 MTP targets cut at the sequence's end only; smear T:1548, keys T:1113
-        # the FP8 MLP (T:1403-1434, K:443-713)
-        fp8_mlp=True,  # T:1498: FP8 up and down projections in training (bf16 where the GPU has no FP8)
-        fp8_head_scales="record",  # T:1225: x_s 100/448, w_s 1.6/448, grad_s grad_scale * 0.75/448 (grad_scale 1)
-        # schedules, optimizers and data (T:1886-2110)
-        num_iterations=1285, extension_steps=15, val_every=250,  # T:1890-1891 (1270 + 15 steps), T:1898
-        batch_tokens=393216, batch_schedule="1/3,2/3,1", rounded_stages=True,  # T:1980-1987 (8, 16, 24 x 16K), T:1943
-        batch_sequences=8, seq_len=49152,  # T:1816, T:1821: one varlen sequence per GPU, 16K/32K/48K tokens
-        bos_align=True, stage_doc_len_caps="896,2048,2048",  # T:1809; T:1980-1987 train_max_seq_len, T:1752
-        stage_lr_shares="1,1.52,1.73", stage_share_cooldown=True,  # T:1980-1985 lr_mul; T:1968-1976 get_lr
-        cooldown_frac=0.6, lr_final_frac=0.15,  # T:1992 (cooldown_frac=0.60: from int(0.4 x 1270) = 508), T:1975
-        window_stages="3,7,11", extension_window_blocks=13, short_window_cap=6,  # T:1980-1987 (1,3) (3,7) (5,11) (6,13)
-        final_window_blocks=20, token_exact_windows=True,  # T:1933, T:2092-2093 (20 blocks, short 6; no YaRN)
-        yarn_max_window=13, attn_scale=0.1,  # T:2114-2116 (YaRN at each long-window change), T:1035
-        muon_momentum_cooldown_steps=50,  # T:1995-2004: 0.85 -> 0.95 over 300 steps, back over the last 50
-        muon_lr=0.023, polar_express=True, normuon=True, normuon_beta2=0.9,  # T:2070-2075, T:168-174
-        cautious_wd=True, muon_cautious_wd=1.2, adam_cautious_wd=0.005,  # T:2075, T:2068
-        adam_every=2, adam_master=False, adam_eps=1e-10,  # T:2104-2106 (odd steps), T:843-862 (in place, strict)
-        adam_beta1=0.5, adam_beta2=0.95, head_lr=0.008, token_embed_lr=0.008,  # T:2033, T:2038, T:2066
-        head_embed_wd_mul=150.0, tied_embed_steps=847,  # T:2033, T:2038 (wd_mul 150); T:1943 split 847 | 1
-        embed_lr=0.6, table_adam_beta1=0.75, value_embed_wd_mul=5.0, bigram_wd_mul=5.0,  # T:2034, T:2037: lr_mul 75
-        scalar_lr=0.04, scalar_adam_beta1=0.9, scalar_adam_beta2=0.99,  # T:2030: lr_mul 5, (0.9, 0.99), wd_mul 0
-        gate_adam_lr=8e-5, gate_scalar_betas=True, ve_gate_lr=0.008,  # T:2031 (lr_mul 0.01), T:2032 (decay 0.005)
-    ),
-    "cpu": dict(
-        # the layout and the residual stream: the record's 11 blocks and roles at the cpu width (256 = 4 x 64; the
-        # record's gates read 12 dims of it); a smaller bigram table (5 x 50304 rows, as recipe v2's cpu one) so 60
-        # CPU steps stay quick, over the whole stream as the record's
-        n_layer=11, long_window_blocks="3,10", attention_free_blocks="6",  # T:2236; T:1494, T:1592
-        paired_head_blocks="0,2,5,9", value_embed_blocks="1,2,8,9,10",  # T:1252; T:1543
-        key_offset=True, value_embeds=True, pad_embed_tables=True,  # T:1496; T:1216-1261
-        unet_skips=True, skip_connections="3>6", skip_sigmoid=True,  # T:1592-1595, T:1346
-        sublayer_lambdas=True, attention_cache_block=7, mudd=True,  # T:1334-1338; T:1598; T:1352-1401
-        mudd_gate_block=4, output_gate_blocks="3,10", xsa_blocks="1,3,4,7", dc_blocks="10",  # T:1238-1240, T:1580
-        smear=True, ve_gates=True, ve_gate_reads_value=True,  # T:1326-1327; T:1613-1614
-        attn_output_lambda=True, attn_proj_uniform_init=True, value_embed_init_std=0.01,  # T:1103/1161; T:1293; T:1261
-        bigram_vocab_size=5 * 50304, bigram_dim=0, bigram_sign=True,  # T:1903: the whole stream; T:1331
-        head_init_std=0.005,  # T:1225-1226
-        # attention's additions: XSA and DC
-        muon_qk_head_pairs=True,  # T:1272-1279: per head pair, at the cpu width 2 + 2 (128 x 256) groups
-        # the loss: prefix tokens
-        # the record's loss as on speedrun (the same lines): its weights decay over the batch stages, whatever their
-        # length, so the 60 steps keep them (three stages of 20 steps under a 3-stage batch schedule)
-        mtp_tokens=3, loss_weights_by_stage=True, prefix_loss_weight=0.25, loss_sum=True, bf16_train_logits=True,
-        logit_softcap=23.0, logit_offset=5.0, cross_document_shifts=True,
-        # the FP8 MLP
-        fp8_mlp=False,  # T:1498 runs it on FP8 GPUs only; a CPU has no FP8 matmul (and _scaled_mm there is slow)
-        fp8_head_scales="record",  # T:1225 (the head runs bf16 on a CPU; the scales are what an FP8 GPU would use)
-        # schedules, optimizers and data: the speedrun's values and forms at 60 steps (never tuned): 59 scheduled +
-        # 1 extension (15/1285 of 60 = 0.7), stage starts round(59k/3) = 20, 39, the tie split 39 | 1, momentum
-        # warm-up 300 x 60/1285 = 14 and cool-down 50 x 60/1285 = 2, validation every 250 x 60/1285 = 12; the
-        # batch ramp in 4 packed sequences of 512/1024/1536 tokens (1, 2 and 4 ranks split them, as V2_SHAPE's
-        # 6,144 tokens), whose 4/8/12 blocks hold the record's windows; document caps and lrs as the speedrun's
-        num_iterations=60, extension_steps=1, val_every=12,
-        batch_tokens=6144, batch_schedule="1/3,2/3,1", rounded_stages=True, batch_sequences=4, seq_len=1536,
-        bos_align=True, stage_doc_len_caps="896,2048,2048",
-        stage_lr_shares="1,1.52,1.73", stage_share_cooldown=True, cooldown_frac=0.6, lr_final_frac=0.15,
-        window_stages="3,7,11", extension_window_blocks=13, short_window_cap=6, final_window_blocks=20,
-        token_exact_windows=True, yarn_max_window=13, attn_scale=0.1,
-        muon_momentum_warmup_steps=14, muon_momentum_cooldown_steps=2,
-        muon_lr=0.023, polar_express=True, normuon=True, normuon_beta2=0.9,
-        cautious_wd=True, muon_cautious_wd=1.2, adam_cautious_wd=0.005,
-        adam_every=2, adam_master=False, adam_eps=1e-10,
-        adam_beta1=0.5, adam_beta2=0.95, head_lr=0.008, token_embed_lr=0.008,
-        head_embed_wd_mul=150.0, tied_embed_steps=39,
-        embed_lr=0.6, table_adam_beta1=0.75, value_embed_wd_mul=5.0, bigram_wd_mul=5.0,
-        scalar_lr=0.04, scalar_adam_beta1=0.9, scalar_adam_beta2=0.99,
-        gate_adam_lr=8e-5, gate_scalar_betas=True, ve_gate_lr=0.008,
-    ),
-    "medium": {},  # track 2 has its own record: the medium preset
-}
+# efficient delayed scaling"; KellerJordan/modded-nanogpt at f411b3d3: "T:n" is a line of its train_gpt.py, "K:n" of
+# its triton_kernels.py), value for value (docs/track1-record-fidelity.md). Each line: its source, its values;
+# --recipe=record --help shows every value with its source.
+RECORD_LINES: tuple[tuple[str, dict[str, object]], ...] = (
+    # the layout and the residual stream
+    ("T:2236 (11 blocks); T:1494 bm_sizes (long windows 3, 10; block 6 attention-free), T:1592",
+     dict(n_layer=11, long_window_blocks="3,10", attention_free_blocks="6")),
+    ("T:1252 (paired heads); T:1543 (value tables 0-4 in turn)",
+     dict(paired_head_blocks="0,2,5,9", value_embed_blocks="1,2,8,9,10")),
+    ("T:1496 (key offset on the long windows); T:1216-1261 (tables of 50,304 rows)",
+     dict(key_offset=True, value_embeds=True, pad_embed_tables=True)),
+    ("T:1592-1595 (the stream after block 3 into block 6), T:1346 (lambda -1.5)",
+     dict(unet_skips=True, skip_connections="3>6", skip_sigmoid=True)),
+    ("T:1334-1338 (resid and post lambdas); T:1598 (blocks 8-10 attend over h7); T:1352-1401, T:1677 (MUDD)",
+     dict(sublayer_lambdas=True, attention_cache_block=7, mudd=True)),
+    ("T:1436-1484, T:1580 (gate generators); T:1238-1240 (XSA, DC and output-gate blocks)",
+     dict(mudd_gate_block=4, output_gate_blocks="3,10", xsa_blocks="1,3,4,7", dc_blocks="10")),
+    ("T:1326-1327, T:1547 (smear); T:1613-1614 (the value gate reads [a[:6], ve[:6]])",
+     dict(smear=True, ve_gates=True, ve_gate_reads_value=True)),
+    ("T:1103, T:1161 (lambdas on W_qkv and W_O); T:1293 (O uniform in vo_bank); T:1261 (0.01 N(0, 1))",
+     dict(attn_output_lambda=True, attn_proj_uniform_init=True, value_embed_init_std=0.01)),
+    ("T:1902-1903 (377,280 x 768), T:1331 (sign table)",
+     dict(bigram_vocab_size=15 * 50304 // 2, bigram_dim=768, bigram_sign=True)),
+    ("T:1225-1226 (the embedding is its transpose while tied: tied_embed_steps)", dict(head_init_std=0.005)),
+    # attention's additions (XSA and DC: the blocks above) and Muon's groups
+    ("T:1272-1279: Q and K orthogonalised as 3 + 3 (256 x 768) head-pair groups", dict(muon_qk_head_pairs=True)),
+    # the loss
+    ("T:1980-1988: MTP weights (1, .5, .25) by batch stage", dict(mtp_tokens=3, loss_weights_by_stage=True)),
+    ("T:1981-1983: 0.25 in stage 0, 0.25(1-t) in stage 1, 0 after; T:2317 the table", dict(prefix_loss_weight=0.25)),
+    ("T:2360: the rank's summed per-token losses (K:1089)", dict(loss_sum=True)),
+    ("K:1003-1005: the softcap's sigmoid rounded to bf16 before every use", dict(bf16_train_logits=True)),
+    ("T:1690, K:1210: 23 sigmoid((logits + 5) / 7.5)", dict(logit_softcap=23.0, logit_offset=5.0)),
+    ("K:1073-1079 (MTP targets cut at the sequence's end only), T:1548 (smear), T:1113 (key offset)",
+     dict(cross_document_shifts=True)),
+    # FP8
+    ("T:1498: FP8 up and down projections in training (bf16 where the GPU has no FP8)", dict(fp8_mlp=True)),
+    ("T:1225: x 100/448, W 1.6/448, grad 0.75/448", dict(fp8_head_scales="record")),
+    # schedules
+    ("T:1890-1891 (1270 + 15 steps), T:1898", dict(num_iterations=1285, extension_steps=15, val_every=250)),
+    ("T:1980-1987 (8, 16, 24 x 16K tokens), T:1943 (stages from round(k * 1270 / 3))",
+     dict(batch_tokens=393216, batch_schedule="1/3,2/3,1", rounded_stages=True)),
+    ("T:1816, T:1821: one varlen sequence per GPU, 16K/32K/48K tokens", dict(batch_sequences=8, seq_len=49152)),
+    ("T:1809 (BOS-aligned); T:1980-1987 train_max_seq_len, T:1752", dict(bos_align=True,
+                                                                         stage_doc_len_caps="896,2048,2048")),
+    ("T:1980-1985 (lr_mul); T:1968-1976 (get_lr)", dict(stage_lr_shares="1,1.52,1.73", stage_share_cooldown=True)),
+    ("T:1992 (cooldown_frac 0.60: from int(0.4 x 1270) = 508), T:1975", dict(cooldown_frac=0.6, lr_final_frac=0.15)),
+    ("T:1980-1987: (1, 3) (3, 7) (5, 11), extension (6, 13)",
+     dict(window_stages="3,7,11", extension_window_blocks=13, short_window_cap=6)),
+    ("T:1933, T:2092-2093 (final validation: 20 blocks, short 6, no YaRN); T:1139-1141 (FA3's window)",
+     dict(final_window_blocks=20, token_exact_windows=True)),
+    ("T:2114-2116 (YaRN at each long-window change), T:1035", dict(yarn_max_window=13, attn_scale=0.1)),
+    ("T:1995-2004: 0.85 -> 0.95 over 300 steps, back over the last 50", dict(muon_momentum_cooldown_steps=50)),
+    # optimizers
+    ("T:2070-2075, T:168-174", dict(muon_lr=0.023, polar_express=True, normuon=True, normuon_beta2=0.9)),
+    ("T:2075, T:2068", dict(cautious_wd=True, muon_cautious_wd=1.2, adam_cautious_wd=0.005)),
+    ("T:2104-2106 (odd steps), T:843-862 (in place, strict mask)", dict(adam_every=2, adam_master=False,
+                                                                       adam_eps=1e-10)),
+    ("T:2033, T:2038, T:2066", dict(adam_beta1=0.5, adam_beta2=0.95, head_lr=0.008, token_embed_lr=0.008)),
+    ("T:2033, T:2038 (wd_mul 150); T:1943 (the split at 847 | 1)", dict(head_embed_wd_mul=150.0,
+                                                                       tied_embed_steps=847)),
+    ("T:2034, T:2037 (lr_mul 75, betas (0.75, 0.95), wd_mul 5)",
+     dict(embed_lr=0.6, table_adam_beta1=0.75, value_embed_wd_mul=5.0, bigram_wd_mul=5.0)),
+    ("T:2030: lr_mul 5, (0.9, 0.99), wd_mul 0", dict(scalar_lr=0.04, scalar_adam_beta1=0.9, scalar_adam_beta2=0.99)),
+    ("T:2031 (lr_mul 0.01), T:2032 (decay 0.005)", dict(gate_adam_lr=8e-5, gate_scalar_betas=True, ve_gate_lr=0.008)),
+)
+# The record's values that the speedrun preset's defaults already are (the 2025-01-26 reference's): sources only.
+RECORD_SHARED_LINES: tuple[tuple[str, dict[str, object]], ...] = (
+    ("T:2237-2239, T:1299 (6 heads of 128, 768 wide, MLP 3072), T:1216 (50,257 tokens, padded to 50,304)",
+     dict(model_dim=768, n_head=6, head_dim=128, vocab_size=50257)),
+    ("T:1106 (rms of q and k before rotary), T:46-48 (relu squared), T:1690 (the softcap's 7.5)",
+     dict(qk_norm=True, mlp_act="relu2", logit_temperature=7.5)),
+    ("T:1886, T:1888 (10,485,760 validation tokens in 262,144-token sequences per rank)",
+     dict(val_tokens=10_485_760, val_seq_len=262_144)),
+    ("T:1995-2001: 0.85 -> 0.95 over 300 steps", dict(muon_momentum_start=0.85, muon_momentum=0.95,
+                                                      muon_momentum_warmup_steps=300)),
+)
+# The cpu preset keeps the record's 11 blocks and roles at its width (256 = 4 heads of 64; the gates read 12 dims
+# of it) and the record's forms scaled to its 60 steps (never tuned): 59 scheduled + 1 extension (15/1285 of 60),
+# stage starts round(59k/3) = 20, 39, the split at 39 | 1, momentum warm-up 300 x 60/1285 = 14 and cool-down 2,
+# validation every 250 x 60/1285 = 12; the batch ramp in 4 packed sequences of 512/1024/1536 tokens (1, 2 and 4
+# ranks split them, as V2_SHAPE's 6,144 tokens), whose 4/8/12 blocks hold the record's windows.
+RECORD_CPU_LINES: tuple[tuple[str, dict[str, object]], ...] = (
+    ("cpu: a smaller bigram table (recipe v2's cpu rows), over the whole stream as T:1903",
+     dict(bigram_vocab_size=5 * 50304, bigram_dim=0)),
+    ("cpu: no FP8 matmul on a CPU", dict(fp8_mlp=False)),
+    ("cpu: the record's 1285 steps scaled to 60", dict(num_iterations=60, extension_steps=1, val_every=12,
+                                                       muon_momentum_warmup_steps=14, muon_momentum_cooldown_steps=2,
+                                                       tied_embed_steps=39)),
+    ("cpu: the record's 1/3, 2/3, 1 ramp in 4 sequences of 512-1536 tokens",
+     dict(batch_tokens=6144, batch_sequences=4, seq_len=1536)),
+)
+
+
+RECORD_PRESET_LINES = {"speedrun": RECORD_LINES, "cpu": RECORD_LINES + RECORD_CPU_LINES,
+                       "medium": ()}  # track 2 has its own record: the medium preset
+RECORD_VALUES = {preset: {name: value for _, values in lines for name, value in values.items()}
+                 for preset, lines in RECORD_PRESET_LINES.items()}
+RECORD_SOURCES = {preset: {name: source for source, values in lines + (RECORD_SHARED_LINES if preset == "speedrun"
+                                                                        else ()) for name in values}
+                  for preset, lines in RECORD_PRESET_LINES.items()}
 
 # A recipe's values per preset, applied on top of the preset (command-line flags win over both).
 RECIPES: dict[str, dict[str, dict]] = {
@@ -4261,6 +4273,14 @@ RECIPES: dict[str, dict[str, dict]] = {
     "v2": {preset: v2_values(preset) for preset in PRESETS},
     "record": RECORD_VALUES,
 }
+# What --recipe=auto (the default) runs on each preset: on the speedrun preset (8xH100, the GPU default) the newest
+# record; on cpu the reference, which the cpu ablation of the three recipes keeps (docs/recipes.md); medium is
+# track 2's record itself.
+DEFAULT_RECIPES = {"speedrun": "record", "cpu": "reference", "medium": "reference"}
+
+# Where each recipe value comes from, for --help (the reference's and v2's: the flags' own help)
+RECIPE_SOURCES = {recipe: RECORD_SOURCES if recipe == "record" else {preset: {} for preset in PRESETS}
+                  for recipe in RECIPES}
 
 
 def left_out_line(args: Hyperparameters) -> str | None:
@@ -4288,7 +4308,7 @@ MAX_STEPS = 10**9  # years of steps at any speed: a larger count is a typo, and 
 # Every Hyperparameters field and what it accepts (a technique's own flags: its declaration); validate_args
 # refuses a field missing here.
 FLAG_RULES: dict[str, Rule] = {
-    "preset": one_of(*PRESETS), "recipe": one_of(*RECIPES), "seed": integer(0, 2**63 - 1),
+    "preset": one_of(*PRESETS), "recipe": one_of("auto", *RECIPES), "seed": integer(0, 2**63 - 1),
     "train_files": NON_EMPTY, "val_files": NON_EMPTY, "val_tokens": integer(1), "train_cycle": ANY_BOOL,
     "batch_tokens": integer(1), "seq_len": integer(BLOCK_SIZE),
     "val_seq_len": integer(BLOCK_SIZE), "num_iterations": integer(1, MAX_STEPS), "cooldown_frac": UNIT,

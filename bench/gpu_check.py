@@ -421,7 +421,8 @@ RESUME_STOP, RESUME_STEPS = 2, 3
 # compile_attention), so each launch costs start-up and seconds, and the row tests the collectives, the
 # checkpoint and the stop signal rather than kernels, which (b), (c) and (e) cover. The FP8 head stays on
 # where supported (eager). 1024-token sequences, 2 micro-steps per rank; one validation sequence per rank.
-RESUME_FLAGS = ["--preset=speedrun", "--n_layer=2", "--model_dim=256", "--n_head=2", "--head_dim=128",
+RESUME_FLAGS = ["--preset=speedrun", "--recipe=reference",
+                "--n_layer=2", "--model_dim=256", "--n_head=2", "--head_dim=128",
                 "--seq_len=1024", "--batch_tokens=4096", "--val_seq_len=1024", "--val_tokens=2048",
                 "--window_final_tokens=1024", "--val_every=0", "--warmup_steps=0", "--attention=banded",
                 "--compile=off", f"--num_iterations={RESUME_STEPS}", f"--run_id={RESUME_RUN_ID}"]

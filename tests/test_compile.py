@@ -20,7 +20,7 @@ VAL_SEQ = 2048  # validation's longer sequence (the speedrun's is 256K)
 
 
 def speedrun_args(*extra):
-    return T.parse_args(["--preset=speedrun", f"--seq_len={SEQ}", f"--val_seq_len={SEQ}", f"--val_tokens={SEQ}",
+    return T.parse_args(["--preset=speedrun", "--recipe=reference", f"--seq_len={SEQ}", f"--val_seq_len={SEQ}", f"--val_tokens={SEQ}",
                          f"--batch_tokens={8 * SEQ}", *extra], cuda_available=True)
 
 

@@ -23,13 +23,13 @@ RECORD_2025_01_26 = dict(
     weight_decay=0.0, dtype="bf16", fp8_head=True, coordinate_descent_tuning=True)
 
 
-def test_speedrun_preset_is_the_record():
-    """The literals above, not the trainer's own table: the default on a GPU machine and --preset=speedrun named
-    on a machine without one both resolve to the record's values."""
-    args = T.parse_args([], cuda_available=True)
+def test_the_reference_recipe_is_the_2025_01_26_record():
+    """The literals above, not the trainer's own table: --recipe=reference on a GPU machine's default preset and
+    --preset=speedrun named on a machine without one both resolve to the record's values."""
+    args = T.parse_args(["--recipe=reference"], cuda_available=True)
     assert args.preset == "speedrun"
     assert {k: getattr(args, k) for k in RECORD_2025_01_26} == RECORD_2025_01_26
-    named = T.parse_args(["--preset=speedrun"], cuda_available=False)
+    named = T.parse_args(["--preset=speedrun", "--recipe=reference"], cuda_available=False)
     assert {k: getattr(named, k) for k in RECORD_2025_01_26} == RECORD_2025_01_26
     assert T.FP8_SCALES == dict(x_scale=2.0, w_scale=2.0 ** 9, grad_scale=2.0 ** 19)
     assert args.val_tokens // args.val_seq_len == 40  # 5 val sequences per rank on 8 GPUs
@@ -48,8 +48,10 @@ def test_help_lists_every_flag_in_its_group_with_its_default_and_exits_0(tmp_pat
     text = result.stdout
     flags = [line.split()[0] for line in text.splitlines() if line.startswith("  --")]
     assert [flag.split("=")[0] for flag in flags] == [f"--{f.name}" for f in dataclasses.fields(T.Hyperparameters)]
-    assert "  --seq_len=49152 [cpu: 1024, medium: 65536]  R: cut from 64K to 48K per GPU" in text  # default, presets, doc
-    assert "  --value_embeds=true  R: three value-embedding tables" in text and "  --scalar_adam_beta1=none" in text
+    # the default: the speedrun preset's recipe record, each of its values with its source
+    assert "  --seq_len=49152 [cpu: 1024, medium: 65536] (from: T:1816, T:1821: one varlen sequence per GPU, " \
+           "16K/32K/48K tokens)  R: cut from 64K to 48K per GPU" in text  # value, other presets, source, doc
+    assert "  --value_embeds=true (from: T:1496" in text and "  --scalar_adam_beta1=0.9 [cpu: none] (from: T:2030" in text
     headers = [line for line in text.splitlines() if line.endswith(":") and not line.startswith(" ")]
     assert headers[:3] == ["general:", "data:", "batch: one flat sequence of seq_len tokens per rank per micro-step:"]
     assert "checkpoints:" in headers and "optimizers:" in headers
@@ -57,12 +59,32 @@ def test_help_lists_every_flag_in_its_group_with_its_default_and_exits_0(tmp_pat
 
 # ----------------------------------------------------------------------------- presets, and values refused at start-up
 
+def test_the_default_recipe_is_record_on_the_speedrun_preset_and_reference_elsewhere():
+    """torchrun train_gpt.py on a GPU machine runs record #89 (DEFAULT_RECIPES); the cpu preset the reference,
+    which the cpu ablation of the recipes keeps; the medium preset is its own record."""
+    assert T.parse_args([], cuda_available=True) == T.parse_args(["--recipe=record"], cuda_available=True)
+    assert T.parse_args([], cuda_available=False) == T.parse_args(["--recipe=reference"], cuda_available=False)
+    assert T.parse_args(["--preset=medium"], True).recipe == "reference"
+    assert T.Hyperparameters.recipe == "auto" and T.parse_args([], True).recipe == "record"  # logged resolved
+
+
+def test_help_names_the_source_of_every_value_the_record_recipe_sets_or_shares():
+    text = T.help_text({"recipe": "record"})
+    args = T.parse_args(["--recipe=record"], True)
+    for name in [*T.RECORD_VALUES["speedrun"], *(n for _, values in T.RECORD_SHARED_LINES for n in values)]:
+        line = next(line for line in text.splitlines() if line.startswith(f"  --{name}="))
+        assert f"={T.flag_text(getattr(args, name))}" in line and f"(from: {T.RECORD_SOURCES['speedrun'][name]})" \
+            in line, name
+    shared = {n: v for _, values in T.RECORD_SHARED_LINES for n, v in values.items()}
+    assert {n: getattr(args, n) for n in shared} == shared  # the shared values are what the record runs
+
+
 def test_presets_resolve():
     cpu = T.parse_args([], cuda_available=False)
     assert cpu.preset == "cpu" and cpu.n_layer == T.PRESETS["cpu"]["n_layer"] and cpu.model_dim == 256
-    gpu = T.parse_args([], cuda_available=True)
-    assert gpu.preset == "speedrun" and gpu == T.Hyperparameters(preset="speedrun")
-    forced = T.parse_args(["--preset=speedrun"], cuda_available=False)
+    gpu = T.parse_args(["--recipe=reference"], cuda_available=True)
+    assert gpu.preset == "speedrun" and gpu == T.Hyperparameters(preset="speedrun", recipe="reference")
+    forced = T.parse_args(["--preset=speedrun", "--recipe=reference"], cuda_available=False)
     assert (forced.preset, forced.n_layer, forced.model_dim, forced.seq_len) == ("speedrun", 12, 768, 48 * 1024)
     over = T.parse_args(["--preset=cpu", "--n_layer=4"], False)
     assert over.n_layer == 4 and over.model_dim == 256  # an override wins over the preset, the rest stays

@@ -16,7 +16,7 @@ from test_schedules import speedrun
 def test_flex_attention_is_compiled_on_its_own_when_the_model_is_not(monkeypatch, compile_mode, alone):
     """Uncompiled flex_attention builds the dense score matrix (58 GB per layer at 48K tokens): --compile=off or
     loss on a GPU, the first thing a user tries when compilation fails, must not run it eagerly."""
-    args = T.parse_args(["--preset=speedrun", f"--compile={compile_mode}"], cuda_available=True)
+    args = T.parse_args(["--preset=speedrun", "--recipe=reference", f"--compile={compile_mode}"], cuda_available=True)
     kernels = T.choose_kernels(args, "cuda", fp8_capable=True)
     assert kernels["attention"] == "flex" and kernels["compile_attention"] is alone
     assert not T.choose_kernels(T.parse_args(["--preset=cpu"], False), "cpu", False)["compile_attention"]

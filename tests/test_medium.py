@@ -59,7 +59,7 @@ def test_the_medium_preset_is_the_track_2_record_as_far_as_the_trainer_reaches()
     args = medium()
     assert {k: getattr(args, k) for k in RECORD_2025_12_31} == RECORD_2025_12_31
     assert medium("--recipe=v2") == dataclasses.replace(args, recipe="v2")  # the record is its recipe already
-    speedrun = T.parse_args(["--preset=speedrun"], False)
+    speedrun = T.parse_args(["--preset=speedrun", "--recipe=reference"], False)
     assert speedrun == T.Hyperparameters(preset="speedrun")  # the speedrun preset is untouched
 
 
@@ -177,7 +177,7 @@ def test_a_checkpoint_of_the_old_medium_preset_is_refused_in_one_line():
                             "in checkpoint.json), or start a fresh run")
     args, _ = T.resumed_hyperparameters({**old, "batch_sequences": 0}, {}, fresh, Path("ckpt"))
     assert (args.batch_sequences, args.seq_len) == (0, 16384)  # one that records it continues as it began
-    speedrun = T.parse_args(["--preset=speedrun"], False)  # a flag at its default on its preset: no change
+    speedrun = T.parse_args(["--preset=speedrun", "--recipe=reference"], False)  # a flag at its default on its preset: no change
     T.resumed_hyperparameters({k: v for k, v in dataclasses.asdict(speedrun).items() if k != "batch_sequences"}, {},
                               speedrun, Path("ckpt"))
     meta = {"hyperparameters": {k: v for k, v in dataclasses.asdict(fresh).items() if k != "vocab_size"}, "step": 1}

@@ -31,7 +31,7 @@ def tokens_with_docs(n, eot_positions, seed=0, vocab=T.EOT_TOKEN):
 
 def test_speedrun_parameter_count():
     with torch.device("meta"):
-        model = T.GPT(T.ModelConfig.of(T.parse_args(["--preset=speedrun"], False)))
+        model = T.GPT(T.ModelConfig.of(T.parse_args(["--preset=speedrun", "--recipe=reference"], False)))
     d, vocab, padded, layers = 768, 50257, 50304, 12
     embeddings = 4 * vocab * d  # token embedding + 3 value embeddings
     head = padded * d
@@ -599,7 +599,7 @@ def test_fp8_head_matches_bf16_on_cuda():
 @pytest.mark.torch_range
 @needs_cuda("a 48K-token speedrun-shape step compiled with FlexAttention")
 def test_speedrun_model_compiled_step_on_cuda(monkeypatch):
-    args = T.parse_args(["--preset=speedrun"], cuda_available=True)
+    args = T.parse_args(["--preset=speedrun", "--recipe=reference"], cuda_available=True)
     device = torch.device("cuda")
     rt = T.Runtime(rank=0, local_rank=0, world_size=1, device=device, dtype=torch.bfloat16, attention="flex",
                    fp8_head=T.fp8_supported(device), compile="model")
@@ -1120,10 +1120,10 @@ def test_the_record_recipe_runs_the_fp8_mlp_on_the_speedrun_preset_only_and_the_
     speedrun, cpu = (T.parse_args([f"--preset={p}", "--recipe=record", "--loss_sum=true"], False)
                      for p in ("speedrun", "cpu"))
     assert speedrun.fp8_mlp and not cpu.fp8_mlp and speedrun.fp8_head_scales == cpu.fp8_head_scales == "record"
-    plain = T.parse_args(["--preset=speedrun"], False)
+    plain = T.parse_args(["--preset=speedrun", "--recipe=reference"], False)
     assert not plain.fp8_mlp and plain.fp8_head_scales == "reference"
     with pytest.raises(T.UsageError) as e:
-        T.parse_args(["--preset=speedrun", "--fp8_head_scales=record"], False)
+        T.parse_args(["--preset=speedrun", "--recipe=reference", "--fp8_head_scales=record"], False)
     assert "--loss_sum=false; pass --loss_sum=true" in str(e.value) and "\n" not in str(e.value)
 
 

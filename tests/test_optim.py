@@ -398,7 +398,7 @@ def test_adam_step_really_moves_parameters():
 
 def test_grouping_speedrun_shape():
     with torch.device("meta"):
-        args = T.parse_args(["--preset=speedrun"], False)
+        args = T.parse_args(["--preset=speedrun", "--recipe=reference"], False)
         model = T.GPT(T.ModelConfig.of(args))
     opt = T.build_optimizers(model, args, rank=0, world_size=1)
     names = {p: n for n, p in model.named_parameters()}
@@ -420,7 +420,7 @@ def test_grouping_speedrun_shape():
 
 def test_grouping_without_muon():
     with torch.device("meta"):
-        args = T.parse_args(["--preset=speedrun", "--muon=false"], False)
+        args = T.parse_args(["--preset=speedrun", "--recipe=reference", "--muon=false"], False)
         model = T.GPT(T.ModelConfig.of(args))
     opt = T.build_optimizers(model, args, rank=0, world_size=1)
     assert opt.muon is None
@@ -430,7 +430,7 @@ def test_grouping_without_muon():
         assert lrs[n] == (recipe_lr(n, p) or args.matrix_adam_lr), n
 
 
-@pytest.mark.parametrize("preset", [["--preset=speedrun"], ["--preset=speedrun", "--recipe=v2"], ["--preset=medium"]])
+@pytest.mark.parametrize("preset", [["--preset=speedrun", "--recipe=reference"], ["--preset=speedrun", "--recipe=v2"], ["--preset=medium"]])
 @pytest.mark.parametrize("world_size", [4, 8])
 def test_the_small_parameters_travel_in_one_bucket(preset, world_size):
     """A step issues one reduce-scatter and one all-gather per bucket: the scalars, gates and lambdas share one,
@@ -446,7 +446,7 @@ def test_the_small_parameters_travel_in_one_bucket(preset, world_size):
     assert {id(p) for p in small[0].real} == {id(p) for n, p in model.named_parameters()
                                               if (p.ndim < 2 or n.endswith("_gate")) and not n.endswith(in_muon)}
     assert all(b.numel() >= 10**6 for b in opt.sync.buckets if b.kind == "muon" and not args.muon_gates)
-    if preset == ["--preset=speedrun"] and world_size == 8:  # 37 buckets before the small ones shared one
+    if preset == ["--preset=speedrun", "--recipe=reference"] and world_size == 8:  # 37 buckets before the small ones shared one
         assert T.bucket_summary(opt.sync.buckets, 8) == (
             "gradient buckets: 14 on 8 rank(s) (muon 8 x 1.8M-18.9M, adam 5 x 38.6M, small 1 x 47 elements)")
 

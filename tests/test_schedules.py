@@ -12,7 +12,7 @@ from conftest import TINY, run_main
 
 
 def speedrun(*extra):
-    return T.parse_args(["--preset=speedrun", *extra], cuda_available=False)
+    return T.parse_args(["--preset=speedrun", "--recipe=reference", *extra], cuda_available=False)
 
 
 # ----------------------------------------------------------------------------- lr schedule

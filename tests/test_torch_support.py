@@ -120,7 +120,7 @@ def test_a_gpu_without_fp8_says_once_that_the_head_runs_in_bf16(monkeypatch, cap
     import train_gpt as T
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
-    args = T.parse_args(["--preset=speedrun", *flags], cuda_available=True)
+    args = T.parse_args(["--preset=speedrun", "--recipe=reference", *flags], cuda_available=True)
     device = torch.device("cuda", 0)
     rt = T.Runtime(rank=0, local_rank=0, world_size=1, device=device, dtype=torch.bfloat16,
                    **T.choose_kernels(args, "cuda", T.fp8_supported(device)))

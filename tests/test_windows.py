@@ -41,7 +41,7 @@ def test_the_schedule_changes_where_it_did(preset, recipe):
 
 
 def test_each_layer_gets_its_half_of_the_pair():
-    speedrun = T.parse_args(["--preset=speedrun"], True)
+    speedrun = T.parse_args(["--preset=speedrun", "--recipe=reference"], True)
     roles = T.LayerRoles.for_depth(12)
     assert T.layer_windows(T.attention_windows(1770, speedrun), roles) == [14, 7, 7, 7, 14, 7,
                                                                                          7, 14, 7, 7, 7, 14]
@@ -49,7 +49,7 @@ def test_each_layer_gets_its_half_of_the_pair():
     medium = T.parse_args(["--preset=medium"], True)
     assert T.layer_windows(T.attention_windows(4739, medium), T.LayerRoles.for_depth(16)) == [
         23, 11, 11, 11, 23, 11, 11, 11, 11, 11, 11, 23, 11, 11, 11, 23]
-    full = T.parse_args(["--preset=speedrun", "--sliding_window=false"], True)
+    full = T.parse_args(["--preset=speedrun", "--recipe=reference", "--sliding_window=false"], True)
     assert {T.attention_windows(s, full) for s in (0, 885, 1770)} == {(2048, 1024)}
     # a tool's or HellaSwag's windows are the schedule's pair, cap included, never re-derived from the long one
     without_stages = T.parse_args(["--preset=medium", "--window_stages=", "--sliding_window=false"], True)
