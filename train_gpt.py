@@ -195,7 +195,8 @@ class Hyperparameters:
                                            "projection; the value embedding then enters v unscaled (M L977)")
     cross_document_shifts: bool = flag(False, "M L971-974, L1159-1162, L1213-1219: smear, key offset and the "
                                               "multi-token targets read across document boundaries (only the "
-                                              "sequence's ends stop them)")
+                                              "sequence's ends stop them); record #89 T:1786-1793: the bigram "
+                                              "hashes too")
     long_window_blocks: str = flag("", "record #89, T:1494-1496: the long-window blocks (3,10), whose keys take the "
                                        "key offset; set: the layout is the *_blocks lists, not LayerRoles.for_depth's")
     attention_free_blocks: str = flag("", "record #89, T:1494, T:1592: blocks with an MLP and no attention (6)")
@@ -269,6 +270,8 @@ class Hyperparameters:
                               " of the N steps (M L1506-1507, L1575-1594)")
     adam_master: bool = flag(True, "false: M's DistAdam: head, embeddings and gates bf16, updated in place with no "
                                    "fp32 master, bf16 moments, M's eps form and strict cautious mask (M L700-830)")
+    adam_moments_fp32: bool = flag(False, "record #89, T:554-555: that Adam (--adam_master=false) keeps its moments "
+                                          "in fp32; false: bf16, as track 2's")
     token_embed_lr: float | None = flag(None, "same record: the token embedding's lr (M: 0.008, L1076); none: "
                                               "embed_lr")
     head_embed_wd_mul: float = flag(1.0, "same record: the head's and token embedding's share of adam_cautious_wd "
@@ -1542,20 +1545,21 @@ def next_multiple(n: float, k: int) -> int:
     return int(math.ceil(n / k) * k)
 
 
-def token_pairs(tokens: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+def token_pairs(tokens: Tensor, across_documents: bool = False) -> tuple[Tensor, Tensor, Tensor]:
     """(current, previous, first) for the bigram hashes: int64 ids, the ids shifted one later, and where a pair
-    must not be formed (the sequence's first token and every document start)."""
+    must not be formed (the sequence's first token and every document start; across_documents, record #89
+    T:1786-1793: the sequence's first token only)."""
     current = tokens.to(torch.int64)
-    first = tokens == EOT_TOKEN
+    first = torch.zeros_like(tokens, dtype=torch.bool) if across_documents else tokens == EOT_TOKEN
     first[0] = True
     return current, F.pad(current[:-1], (1, 0)), first
 
 
-def bigram_rows(tokens: Tensor, rows: int) -> Tensor:
+def bigram_rows(tokens: Tensor, rows: int, across_documents: bool = False) -> Tensor:
     """2026-01-19_BigramHashEmbedding: the table row of each (previous, current) token pair,
     (36313 * current) xor (27191 * previous) mod (rows - 1). Row rows - 1 is kept for a document's first token
-    (the record keeps it for the sequence's first only): a pair never spans two documents."""
-    current, previous, first = token_pairs(tokens)
+    (the record keeps it for the sequence's first only, as across_documents): a pair never spans two documents."""
+    current, previous, first = token_pairs(tokens, across_documents)
     row = torch.bitwise_xor(BIGRAM_HASH[0] * current, BIGRAM_HASH[1] * previous) % (rows - 1)
     return torch.where(first, rows - 1, row)
 
@@ -1566,11 +1570,11 @@ def bigram_sign_table(dim: int) -> Tensor:
     return torch.randn(BIGRAM_SIGN_ROWS, dim, generator=torch.Generator().manual_seed(0), device="cpu").sign()
 
 
-def bigram_sign_rows(tokens: Tensor) -> Tensor:
+def bigram_sign_rows(tokens: Tensor, across_documents: bool = False) -> Tensor:
     """Same record: the sign vector of each (previous, current) pair, (previous xor current) % BIGRAM_SIGN_ROWS
     (a different hash from bigram_rows'), row 0 at a document's first token. Two pairs sharing a table row
-    then mostly add their embeddings with different signs, and interfere less."""
-    current, previous, first = token_pairs(tokens)
+    then mostly add their embeddings with different signs, and interfere less (across_documents: as token_pairs)."""
+    current, previous, first = token_pairs(tokens, across_documents)
     return torch.where(first, 0, torch.bitwise_xor(previous, current) % BIGRAM_SIGN_ROWS)
 
 
@@ -1825,9 +1829,10 @@ class GPT(nn.Module):
         the table."""
         if self.bigram_embed is None:
             return None
-        bigram = self.bigram_embed(bigram_rows(tokens, self.bigram_embed.num_embeddings))[None]
+        across = self.config.cross_document_shifts
+        bigram = self.bigram_embed(bigram_rows(tokens, self.bigram_embed.num_embeddings, across))[None]
         if self.bigram_signs is not None:
-            bigram = bigram * self.bigram_signs[bigram_sign_rows(tokens)].type_as(bigram)
+            bigram = bigram * self.bigram_signs[bigram_sign_rows(tokens, across)].type_as(bigram)
         return F.pad(bigram, (0, width - bigram.size(-1)))  # into the stream's first bigram_dim dims
 
     def stream_trunk(self, tokens: Tensor, layer_attention: list, offset: int = 0) -> Tensor:
@@ -2607,18 +2612,19 @@ def adam_state_tensors(names: list[str], params: list[Tensor], states: list[dict
 class RecordAdam:
     """Track 2's DistAdam (2025-12-31_BulkSmallTrackTransfer, M L700-830): each rank updates its slice of every
     parameter in place, in the parameter's dtype (bf16 for the head, embeddings and gates), with no fp32 master;
-    the moments are bf16 too. The step is M's: lr * sqrt(1 - b2^t) / (1 - b1^t) * m / (sqrt(v) + eps), and the
+    the moments are bf16 too (record #89's: fp32, moment_dtype). The step is M's: lr * sqrt(1 - b2^t) / (1 - b1^t) * m / (sqrt(v) + eps), and the
     cautious decay joins it where update * p > 0 (strict). The arithmetic runs in fp32 and is rounded once when
     stored, as M's compiled step does."""
 
     def __init__(self, buckets: list[Bucket], groups: dict[Tensor, AdamGroup], rank: int,
-                 betas: tuple[float, float], eps: float, names: dict[Tensor, str]):
+                 betas: tuple[float, float], eps: float, names: dict[Tensor, str],
+                 moment_dtype: torch.dtype = torch.bfloat16):
         self.buckets, self.rank, self.eps = buckets, rank, eps
         self.slots, self.params, self.names = adam_slots(buckets, names)
         self.groups = [dataclasses.replace(groups[p], betas=groups[p].betas or betas) for p in self.params]
         self.states = []
         for bucket, p, _ in self.slots:
-            moment = torch.zeros_like(owned_slice(p, rank, bucket.world_size), dtype=torch.bfloat16)
+            moment = torch.zeros_like(owned_slice(p, rank, bucket.world_size), dtype=moment_dtype)
             self.states.append({"exp_avg": moment, "exp_avg_sq": torch.zeros_like(moment),
                                 "step": torch.zeros((), dtype=torch.float32)})  # on the host: M's int
 
@@ -3076,9 +3082,10 @@ def build_optimizers(model: GPT, args: Hyperparameters, rank: int, world_size: i
                 cautious_wd=args.muon_cautious_wd if args.cautious_wd else 0.0,
                 lr_muls=muon_lr_multipliers(model, args, in_muon), per_row=muon_gates,
                 head_pair_rows=head_pair_rows(model, args)) if args.muon else None
-    adam_kind = ShardedAdam if args.adam_master else RecordAdam
-    adam = adam_kind(adam_part, {g.param: g for g in groups}, rank, (args.adam_beta1, args.adam_beta2), args.adam_eps,
+    adam_settings = (adam_part, {g.param: g for g in groups}, rank, (args.adam_beta1, args.adam_beta2), args.adam_eps,
                      names)
+    adam = (ShardedAdam(*adam_settings) if args.adam_master else
+            RecordAdam(*adam_settings, torch.float32 if args.adam_moments_fp32 else torch.bfloat16))
     return Optimizers(sync=sync, muon=muon, adam=adam, world_size=world_size, adam_every=args.adam_every)
 
 
@@ -3767,7 +3774,7 @@ TECHNIQUES: tuple[Technique, ...] = (
         refusals=(needs_muon("record_muon_shapes"),)),
     Technique(
         "muon_qk_head_pairs", ("2026-04-08_PairedHeadMuon",), "optimizer", {"muon_qk_head_pairs": ANY_BOOL}, {},
-        left_out={preset: "a record #89 technique (--recipe=record)" for preset in PRESETS},
+        left_out=dict.fromkeys(PRESETS, RECORD_ONLY),
         refusals=(needs_muon("muon_qk_head_pairs"),
                   Refusal(lambda a: a.muon_qk_head_pairs and a.n_head % 2,
                           lambda a: f"--muon_qk_head_pairs=true groups Q and K by head pairs, and --n_head={a.n_head} "
@@ -3795,6 +3802,10 @@ TECHNIQUES: tuple[Technique, ...] = (
                           lambda a: f"--adam_master=false is the record's Adam, whose only decay is the cautious one,"
                                     f" not --weight_decay={a.weight_decay}; pass --weight_decay=0"),)),
     Technique(
+        "adam_fp32_moments", ("2026-07-17_FP8DownProjection",), "optimizer", {"adam_moments_fp32": ANY_BOOL}, {},
+        left_out=dict.fromkeys(PRESETS, RECORD_ONLY), optimizer_state=True,
+        only_when=(only_with("adam_moments_fp32", switch="adam_master", on=False),)),
+    Technique(
         "adam_groups", ("2025-12-31_BulkSmallTrackTransfer",), "optimizer",
         {"token_embed_lr": Rule(lambda v: v is None or LR.ok(v), LR.valid + ", or none"),
          "head_embed_wd_mul": number(0.0), "value_embed_wd_mul": number(0.0),
@@ -3814,7 +3825,7 @@ TECHNIQUES: tuple[Technique, ...] = (
         "record_adam_groups", ("2026-07-17_FP8DownProjection",), "optimizer",
         {"table_adam_beta1": OPTIONAL_BETA, "bigram_wd_mul": number(0.0), "gate_scalar_betas": ANY_BOOL,
          "ve_gate_lr": Rule(lambda v: v is None or LR.ok(v), LR.valid + ", or none")},
-        {}, left_out=dict.fromkeys(PRESETS, "a record #89 technique (--recipe=record)")),
+        {}, left_out=dict.fromkeys(PRESETS, RECORD_ONLY)),
     Technique(
         "smoothed_scalars", ("2025-12-21_SmoothedScalars",), "optimizer",
         {"scalar_adam_beta1": OPTIONAL_BETA, "scalar_adam_beta2": OPTIONAL_BETA},
@@ -3843,7 +3854,7 @@ TECHNIQUES: tuple[Technique, ...] = (
     # the MLP in FP8: its up projection (2026-05-19), then its down projection (2026-07-17); record #89 only
     Technique(
         "fp8_mlp", ("2026-05-19_FP8MLPUpProj", "2026-07-17_FP8DownProjection"), "model", {"fp8_mlp": ANY_BOOL}, {},
-        left_out={preset: "a record #89 technique (--recipe=record)" for preset in PRESETS},
+        left_out=dict.fromkeys(PRESETS, RECORD_ONLY),
         refusals=(
             Refusal(lambda a: a.fp8_mlp and a.mlp_act != "relu2",
                     lambda a: f"--fp8_mlp=true is the record's FP8 relu^2 MLP and this run has --mlp_act={a.mlp_act}; "
@@ -3852,7 +3863,7 @@ TECHNIQUES: tuple[Technique, ...] = (
     Technique(
         "fp8_head_scales", ("2025-12-19_RetieLMHead", "2025-12-29_VeSkipGates"), "model",
         {"fp8_head_scales": one_of(*FP8_HEAD_SCALES)}, {},
-        left_out={preset: "a record #89 technique (--recipe=record)" for preset in PRESETS},
+        left_out=dict.fromkeys(PRESETS, RECORD_ONLY),
         refusals=(
             Refusal(lambda a: a.fp8_head_scales == "record" and not a.loss_sum,
                     lambda a: "--fp8_head_scales=record scales the gradient of the summed loss, and this run has "
@@ -3914,14 +3925,14 @@ TECHNIQUES: tuple[Technique, ...] = (
                            lambda a: "--mtp_tokens=1 (the next-token loss alone)"),)),
     Technique(
         "prefix_tokens", ("2026-07-13_PrefixTokenPrediction",), "loss", {"prefix_loss_weight": number(0.0)},
-        {}, left_out={preset: "a record #89 technique (--recipe=record)" for preset in PRESETS},
+        {}, left_out=dict.fromkeys(PRESETS, RECORD_ONLY),
         refusals=(Refusal(lambda a: a.prefix_loss_weight > 0 and not a.loss_weights_by_stage,
                           lambda a: f"--prefix_loss_weight={a.prefix_loss_weight:g} decays by the batch stages "
                                     "(record #89, T:1981-1983); pass --loss_weights_by_stage=true"),)),
     Technique(
         "stage_loss_weights", ("2025-12-22_MultiTokenPrediction", "2026-07-13_PrefixTokenPrediction"), "schedule",
         {"loss_weights_by_stage": ANY_BOOL},
-        {}, left_out={preset: "a record #89 technique (--recipe=record)" for preset in PRESETS},
+        {}, left_out=dict.fromkeys(PRESETS, RECORD_ONLY),
         refusals=(Refusal(lambda a: a.loss_weights_by_stage and a.mtp_frac != 1,
                           lambda a: f"--mtp_frac={a.mtp_frac:g} sets equal MTP phases, which --loss_weights_by_stage"
                                     "=true replaces by the batch stages; drop one of them"),),
@@ -4118,23 +4129,23 @@ TECHNIQUES: tuple[Technique, ...] = (
         only_when=(only_with("short_window_cap", switch="sliding_window"),)),
     Technique(
         "rounded_stages", ("2026-07-17_FP8DownProjection",), "schedule", {"rounded_stages": ANY_BOOL}, {},
-        left_out=dict.fromkeys(PRESETS, "a record #89 technique (--recipe=record)"),
+        left_out=dict.fromkeys(PRESETS, RECORD_ONLY),
         only_when=(only_if(("rounded_stages",), lambda a: bool(a.batch_schedule or a.window_stages),
                            "a --batch_schedule or --window_stages", lambda a: "neither"),)),
     Technique(
         "extension_window", ("2026-07-17_FP8DownProjection",), "schedule", {"extension_window_blocks": integer(0)},
-        {}, left_out=dict.fromkeys(PRESETS, "a record #89 technique (--recipe=record)"),
+        {}, left_out=dict.fromkeys(PRESETS, RECORD_ONLY),
         only_when=(only_if(("extension_window_blocks",), lambda a: a.sliding_window and a.extension_steps > 0,
                            "--extension_steps", lambda a: "no extension steps" if a.sliding_window
                            else "--sliding_window=false"),)),
     Technique(
         "stage_share_cooldown", ("2026-07-17_FP8DownProjection",), "schedule", {"stage_share_cooldown": ANY_BOOL},
-        {}, left_out=dict.fromkeys(PRESETS, "a record #89 technique (--recipe=record)")),
+        {}, left_out=dict.fromkeys(PRESETS, RECORD_ONLY)),
     Technique(
         "stage_doc_caps", ("2026-07-17_FP8DownProjection",), "data",
         {"stage_doc_len_caps": Rule(lambda v: v == "" or stage_doc_caps(v) is not None,
                                     "empty, or comma-separated token counts such as 896,2048,2048")},
-        {}, left_out=dict.fromkeys(PRESETS, "a record #89 technique (--recipe=record)"),
+        {}, left_out=dict.fromkeys(PRESETS, RECORD_ONLY),
         refusals=(Refusal(lambda a: a.stage_doc_len_caps and not a.bos_align,
                           lambda a: f"--stage_doc_len_caps={a.stage_doc_len_caps} packs whole documents from their "
                                     "start, so it needs --bos_align=true"),
@@ -4195,10 +4206,12 @@ RECORD_LINES: tuple[tuple[str, dict[str, object]], ...] = (
     # the loss
     ("T:1980-1988: MTP weights (1, .5, .25) by batch stage", dict(mtp_tokens=3, loss_weights_by_stage=True)),
     ("T:1981-1983: 0.25 in stage 0, 0.25(1-t) in stage 1, 0 after; T:2317 the table", dict(prefix_loss_weight=0.25)),
+    ("T:1002-1003, T:1013-1017: rotary's cos and sin stored and applied in bf16", dict(bf16_rotary=True)),
     ("T:2360: the rank's summed per-token losses (K:1089)", dict(loss_sum=True)),
     ("K:1003-1005: the softcap's sigmoid rounded to bf16 before every use", dict(bf16_train_logits=True)),
     ("T:1690, K:1210: 23 sigmoid((logits + 5) / 7.5)", dict(logit_softcap=23.0, logit_offset=5.0)),
-    ("K:1073-1079 (MTP targets cut at the sequence's end only), T:1548 (smear), T:1113 (key offset)",
+    ("K:1073-1079 (MTP targets cut at the sequence's end only), T:1548 (smear), T:1113 (key offset), T:1786-1793 "
+     "and T:1535-1536 (the bigram hashes)",
      dict(cross_document_shifts=True)),
     # FP8
     ("T:1498: FP8 up and down projections in training (bf16 where the GPU has no FP8)", dict(fp8_mlp=True)),
@@ -4220,9 +4233,12 @@ RECORD_LINES: tuple[tuple[str, dict[str, object]], ...] = (
     ("T:1995-2004: 0.85 -> 0.95 over 300 steps, back over the last 50", dict(muon_momentum_cooldown_steps=50)),
     # optimizers
     ("T:2070-2075, T:168-174", dict(muon_lr=0.023, polar_express=True, normuon=True, normuon_beta2=0.9)),
+    ("T:509-522, T:1301: lr x max(1, rows/cols)^0.5 of the stored shape x lr_mul: Q, K, V, O 1, c_fc 2, c_proj 4",
+     dict(record_muon_shapes=True)),
     ("T:2075, T:2068", dict(cautious_wd=True, muon_cautious_wd=1.2, adam_cautious_wd=0.005)),
     ("T:2104-2106 (odd steps), T:843-862 (in place, strict mask)", dict(adam_every=2, adam_master=False,
                                                                        adam_eps=1e-10)),
+    ("T:554-555: fp32 moments", dict(adam_moments_fp32=True)),
     ("T:2033, T:2038, T:2066", dict(adam_beta1=0.5, adam_beta2=0.95, head_lr=0.008, token_embed_lr=0.008)),
     ("T:2033, T:2038 (wd_mul 150); T:1943 (the split at 847 | 1)", dict(head_embed_wd_mul=150.0,
                                                                        tied_embed_steps=847)),

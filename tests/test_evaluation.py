@@ -157,7 +157,8 @@ def test_a_technique_marked_as_reading_the_previous_token_is_one_the_kv_cache_ca
                                                                 for i in range(90, 256)])
         # record #89's stream sums random MUDD coefficients times several streams: fp32 noise reaches 5e-5 there
         matches = torch.allclose(got, full[89:256], atol=1e-4 if technique.name in RECORD_CASES else 2e-5, rtol=1e-5)
-    except RuntimeError:  # paired heads' doubled positions do not even fit the cache's layout
+    except (RuntimeError, ValueError):  # paired heads' doubled positions do not fit the cache's layout, nor DC's
+        # 128-token chunks a single new token
         matches = False
     assert matches != technique.reads_previous_token
 

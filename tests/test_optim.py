@@ -2,6 +2,7 @@
 
 import io
 import math
+import re
 
 import numpy as np
 import pytest
@@ -793,28 +794,35 @@ def test_a_medium_step_is_the_same_on_1_2_and_4_ranks(tmp_path, extra, world_siz
 
 
 # record #89's Adam table (T:2025-2080): param_table's betas and lr_mul / wd_mul on the base lr 0.008 and decay
-# 0.005, at stage 1's lrs: name -> (lr, betas, cautious decay), for the parameters this trainer has
-RECORD_ADAM_TABLE = {  # the first key a name holds
+# 0.005, at stage 1's lrs: name (block numbers as N) -> (lr, betas, cautious decay), for every parameter
+RECORD_ADAM_TABLE = {
     "bigram_embed.weight": (0.008 * 75, (0.75, 0.95), 0.005 * 5),  # T:2034
     "lm_head.weight": (0.008, (0.5, 0.95), 0.005 * 150),  # T:2033
     "embed.weight": (0.008, (0.5, 0.95), 0.005 * 150),  # T:2038
-    "value_embeds.": (0.008 * 75, (0.75, 0.95), 0.005 * 5),  # T:2037
+    "value_embeds.N.weight": (0.008 * 75, (0.75, 0.95), 0.005 * 5),  # T:2037
     "smear_gate": (0.008 * 0.01, (0.9, 0.99), 0.0),  # T:2031: lr_mul 0.01, wd_mul 0
-    "ve_gate": (0.008, (0.9, 0.99), 0.005),  # T:2032: lr_mul and wd_mul 1
-    "lambda": (0.008 * 5, (0.9, 0.99), 0.0),  # T:2030: the scalars (SA, smear and skip lambdas)
-    "skip_weights": (0.008 * 5, (0.9, 0.99), 0.0),
+    "blocks.N.attn.ve_gate": (0.008, (0.9, 0.99), 0.005),  # T:2032: lr_mul and wd_mul 1
+    "blocks.N.attn.lambdas": (0.008 * 5, (0.9, 0.99), 0.0),  # T:2030: the scalars (SA, smear and skip lambdas)
+    "smear_lambda": (0.008 * 5, (0.9, 0.99), 0.0),
+    "skip_lambdas": (0.008 * 5, (0.9, 0.99), 0.0),
+    "resid_lambdas": (0.008 * 5, (0.9, 0.95), 0.0),  # T:2036
+    "post_lambdas": (0.008, (0.9, 0.95), 0.0),  # T:2035
+    "mudd_w1": (0.008 * 0.25, (0.9, 0.99), 0.005), "mudd_w2": (0.008 * 0.25, (0.9, 0.99), 0.005),  # T:2043-2044
+    "mudd_b2": (0.008 * 0.25, (0.9, 0.99), 0.0),  # T:2045
+    "mudd_gate_w1": (0.008 * 0.1, (0.9, 0.99), 0.005), "mudd_gate_w2": (0.008 * 0.1, (0.9, 0.99), 0.005),  # T:2046
+    "mudd_gate_b2": (0.008 * 0.1, (0.9, 0.99), 0.0), "mudd_gate_scale": (0.008 * 0.1, (0.9, 0.99), 0.0),  # T:2048
 }
 
 
 def test_the_record_recipes_adam_groups_are_the_records_param_table():
-    args = T.parse_args(["--preset=cpu", "--recipe=record", "--n_layer=4", "--ve_gates=true", "--smear=true",
-                         "--bigram_vocab_size=1024", "--vocab_size=512"], False)
+    args = T.parse_args(["--preset=cpu", "--recipe=record", "--bigram_vocab_size=1024", "--vocab_size=512"], False)
     model = T.build_model(args, runtime())
     opt = T.build_optimizers(model, args, rank=0, world_size=1)
     assert isinstance(opt.adam, T.RecordAdam) and opt.adam.eps == 1e-10 and opt.adam_every == 2  # T:2067, T:2104
+    assert {state[k].dtype for state in opt.adam.states for k in ("exp_avg", "exp_avg_sq")} == {torch.float32}  # T:554
     seen = set()
     for name, group in zip(opt.adam.names, opt.adam.groups):
-        key = next(k for k in RECORD_ADAM_TABLE if k in name)
+        key = re.sub(r"\.\d+\.", ".N.", name)
         lr, betas, decay = RECORD_ADAM_TABLE[key]
         assert group.lr == pytest.approx(lr, rel=1e-12) and group.betas == betas and group.weight_decay == 0, name
         assert group.cautious_wd == pytest.approx(decay, rel=1e-12), name
