@@ -302,6 +302,20 @@ def test_bigram_rows_and_signs_against_the_record_formula():
     assert torch.equal(table, T.bigram_sign_table(64))  # fixed: every rank and every reload agrees
 
 
+def test_record_89s_bigram_hashes_cross_document_starts():
+    """T:1786-1793 and T:1535-1536 (with --cross_document_shifts): only the sequence's first token takes the reserved
+    rows; a document's first token pairs with the previous document's last."""
+    tokens = torch.tensor([EOT, 11, 50255, 7, EOT, 7, 11])
+    rows = 377280
+    got, signs = T.bigram_rows(tokens, rows, True).tolist(), T.bigram_sign_rows(tokens, True).tolist()
+    assert got[0] == rows - 1 and signs[0] == 0
+    for t in range(1, 7):
+        assert got[t] == ((36313 * int(tokens[t])) ^ (27191 * int(tokens[t - 1]))) % (rows - 1)
+        assert signs[t] == (int(tokens[t]) ^ int(tokens[t - 1])) % 8192
+    args = T.parse_args(["--preset=cpu", "--recipe=record"], False)
+    assert args.cross_document_shifts  # the record recipe hashes across documents
+
+
 def test_bigram_embedding_enters_the_first_dims_with_its_sign():
     torch.manual_seed(0)
     model = randomised(T.GPT(T.ModelConfig.of(v2_args("--dtype=fp32"))))
