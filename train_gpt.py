@@ -228,6 +228,8 @@ class Hyperparameters:
     bf16_rotary: bool = flag(False, "M L881-886, L902-911: rotary's cos/sin tables and the rotation in bf16")
     bf16_train_logits: bool = flag(False, "M L1204-1221: the training loss's softcap, logsumexp and cross-entropy "
                                           "on bf16 logits (validation stays fp32, M L1196-1202)")
+    bf16_val_softcap: bool = flag(False, "record #89, T:1689-1691: validation squashes the bf16 logits in bf16, "
+                                         "then takes the fp32 cross-entropy; false: the softcap in fp32")
     loss_sum: bool = flag(False, "M L1213-1221: the training loss is summed over the sequence's tokens, not "
                                  "averaged (validation: the mean); the logged train loss is per token")
     short_window_cap: int = flag(0, "track 2, 2025-12-31_BulkSmallTrackTransfer: the short window is at most this "
@@ -1171,6 +1173,7 @@ class ModelConfig:
     fp8_mlp: bool  # the MLPs keep the FP8 scales (whether FP8 runs is the device's: GPT's fp8_mlp)
     fp8_head_scales: str
     loss_sum: bool
+    bf16_val_softcap: bool
     long_window_blocks: str
     attention_free_blocks: str
     paired_head_blocks: str
@@ -1755,8 +1758,10 @@ class GPT(nn.Module):
             check_model_inputs(tokens, targets, windows, self.vocab_size)
         if mtp_weights is not None:
             targets = self.loss_targets(targets, mtp_weights.numel())
-        # M's training form (bf16 logits, summed) in training mode; validation (eval) takes the fp32 mean
-        form = LossForm(self.config.bf16_train_logits, self.config.loss_sum) if self.training else LossForm()
+        # M's training form (bf16 logits, summed) in training mode; validation (eval) takes the fp32 mean (of the
+        # bf16 softcap with --bf16_val_softcap)
+        form = (LossForm(self.config.bf16_train_logits, self.config.loss_sum) if self.training
+                else LossForm(bf16_softcap=self.config.bf16_val_softcap))
         # Validation (eval, no grad) too: its 262K-token sequence would otherwise hold 26 GB of bf16 logits.
         if self.loss.chunked or not (self.training or torch.is_grad_enabled()):
             return chunked_head_loss(self.final_hidden(tokens, windows)[0], self.lm_head.weight, targets,
@@ -2068,6 +2073,7 @@ class LossForm(typing.NamedTuple):
     softcap, logsumexp and cross-entropy in bf16), and summed over the tokens rather than averaged (M L1213-1221)."""
     bf16_logits: bool = False
     summed: bool = False
+    bf16_softcap: bool = False  # record #89's validation (T:1689-1691): the softcap in bf16, the cross-entropy fp32
 
 
 def apply_softcap(logits: Tensor, softcap: Softcap, keep_dtype: bool = False) -> Tensor:
@@ -2179,14 +2185,15 @@ def head_chunks(n_rows: int) -> list[slice]:
 
 
 def softcapped_cross_entropy_chunk(logits: Tensor, targets: Tensor, softcap: Softcap, scales: Tensor,
-                                   with_grad: bool, bf16_logits: bool = False) -> tuple[Tensor, Tensor | None]:
+                                   with_grad: bool, bf16_logits: bool = False,
+                                   bf16_softcap: bool = False) -> tuple[Tensor, Tensor | None]:
     """softcapped_cross_entropy of some rows against each column of targets (rows, K), summed per column
     (not averaged), and in closed form the gradient of sum_k scales[k] * (column k's sum) to the logits.
 
     The gradient is cast to the logits' dtype as autograd would. With one column and scales = 1 / count it is
     d(mean loss)/d(logits) = (softmax - onehot) / count, times cap * s' / temperature. bf16_logits: the loss is
     the plain path's on bf16 logits (token_losses), and the gradient's softmax is taken from its bf16 softcapped
-    logits and logsumexp, as autograd's would be.
+    logits and logsumexp, as autograd's would be. bf16_softcap: the softcap alone in the logits' dtype.
     """
     z = logits.float()
     sig = (torch.sigmoid((z + softcap.offset if softcap.offset else z) / softcap.temperature)
@@ -2197,7 +2204,8 @@ def softcapped_cross_entropy_chunk(logits: Tensor, targets: Tensor, softcap: Sof
         loss_sums = token_losses(low, targets).float().sum(0)
         capped, lse = low.float(), torch.logsumexp(low, dim=-1, keepdim=True).float()
     else:
-        capped = softcap.cap * sig if softcap.cap > 0 else z
+        capped = (apply_softcap(logits, softcap, keep_dtype=True).float() if bf16_softcap
+                  else softcap.cap * sig if softcap.cap > 0 else z)
         lse = torch.logsumexp(capped, dim=-1, keepdim=True)
         picked = capped.gather(1, torch.where(valid, targets, 0))
         loss_sums = torch.stack([torch.where(valid[:, k], (lse - picked)[:, k], 0.0).sum()
@@ -2235,7 +2243,7 @@ class ChunkedHeadLoss(torch.autograd.Function):
         totals = torch.zeros(targets.size(1), dtype=torch.float32, device=h.device)
         for rows in head_chunks(h.size(0)):
             loss_sums, grad_logits[rows] = kernel(F.linear(h[rows], w), targets[rows], softcap, scales, True,
-                                                  form.bf16_logits)
+                                                  form.bf16_logits, form.bf16_softcap)
             totals += loss_sums
         ctx.save_for_backward(h, w, grad_logits)
         ctx.weight_dtype = weight.dtype
@@ -2262,7 +2270,8 @@ def chunked_head_loss(h: Tensor, weight: Tensor, targets: Tensor, softcap: Softc
     counts = (targets != -100).sum(0).clamp_min(1)
     totals = torch.zeros(targets.size(1), dtype=torch.float32, device=h.device)
     for rows in head_chunks(h.size(0)):
-        totals += kernel(F.linear(h[rows], w), targets[rows], softcap, counts, False, form.bf16_logits)[0]
+        totals += kernel(F.linear(h[rows], w), targets[rows], softcap, counts, False, form.bf16_logits,
+                         form.bf16_softcap)[0]
     return (totals * weights).sum() if form.summed else (totals / counts * weights).sum()
 
 
@@ -3992,6 +4001,9 @@ TECHNIQUES: tuple[Technique, ...] = (
         {"bf16_rotary": ANY_BOOL, "bf16_train_logits": ANY_BOOL},
         {"medium": {}}, left_out=only_track_2("fp32 rotary tables and training logits")),
     Technique(
+        "bf16_val_softcap", ("2026-07-17_FP8DownProjection",), "model", {"bf16_val_softcap": ANY_BOOL}, {},
+        left_out=dict.fromkeys(PRESETS, RECORD_ONLY)),
+    Technique(
         "loss_sum", ("2025-12-31_BulkSmallTrackTransfer",), "model", {"loss_sum": ANY_BOOL},
         {"medium": {}}, left_out=only_track_2("the mean training loss")),
     # Record #89's layout and residual stream (--recipe=record; docs/track1-record-fidelity.md rows 1-28, 38-52).
@@ -4207,6 +4219,8 @@ RECORD_LINES: tuple[tuple[str, dict[str, object]], ...] = (
     ("T:1980-1988: MTP weights (1, .5, .25) by batch stage", dict(mtp_tokens=3, loss_weights_by_stage=True)),
     ("T:1981-1983: 0.25 in stage 0, 0.25(1-t) in stage 1, 0 after; T:2317 the table", dict(prefix_loss_weight=0.25)),
     ("T:1002-1003, T:1013-1017: rotary's cos and sin stored and applied in bf16", dict(bf16_rotary=True)),
+    ("T:1689-1691: validation's softcap on the bf16 logits in bf16, its cross-entropy in fp32",
+     dict(bf16_val_softcap=True)),
     ("T:2360: the rank's summed per-token losses (K:1089)", dict(loss_sum=True)),
     ("K:1003-1005: the softcap's sigmoid rounded to bf16 before every use", dict(bf16_train_logits=True)),
     ("T:1690, K:1210: 23 sigmoid((logits + 5) / 7.5)", dict(logit_softcap=23.0, logit_offset=5.0)),

@@ -162,7 +162,7 @@ BAD_VALUES = {  # field: (a value just inside the valid range, values outside it
     "head_init_std": ("0.005", ["-0.1", "inf"]), "value_embed_zero_init": ("true", ["x"]),
     "bf16_rotary": ("true", ["x"]), "bf16_train_logits": ("true", ["x"]), "loss_sum": ("true", ["x"]),
     "record_muon_shapes": ("true", ["x"]), "muon_gates": ("true", ["x"]), "muon_gate_lr_mul": ("0.1", ["-1", "nan"]),
-    "adam_every": ("2", ["0", "-1"]), "adam_master": ("false", ["x"]), "adam_moments_fp32": ("false", ["x"]), "token_embed_lr": ("none", ["-1", "x"]),
+    "adam_every": ("2", ["0", "-1"]), "adam_master": ("false", ["x"]), "bf16_val_softcap": ("true", ["x"]), "adam_moments_fp32": ("false", ["x"]), "token_embed_lr": ("none", ["-1", "x"]),
     "head_embed_wd_mul": ("150", ["-1", "inf"]), "value_embed_wd_mul": ("5", ["-1", "nan"]),
     "x0_lambda_lr": ("0.04", ["-1", "x"]), "gate_adam_lr": ("8e-5", ["-1", "nan"]),
     "tied_embed_steps": ("0", ["-1"]),

@@ -1386,3 +1386,23 @@ def test_record_stream_traces_as_one_graph():
     attention = model.layer_attention(tokens, T.window_tensor(8))
     compiled = torch.compile(model.trunk, backend="eager", fullgraph=True)
     torch.testing.assert_close(compiled(tokens, attention), model.trunk(tokens, attention))
+
+
+def test_record_89s_validation_squashes_bf16_logits_in_bf16_then_takes_the_fp32_cross_entropy():
+    """T:1689-1692: logits = lm_head(x) (bf16); 23 * sigmoid((logits + 5) / 7.5) in bf16; F.cross_entropy of its
+    float copy. --bf16_val_softcap=false keeps the fp32 softcap."""
+    torch.manual_seed(0)
+    h, w = torch.randn(256, 32).bfloat16(), (0.3 * torch.randn(96, 32)).bfloat16()
+    targets = torch.randint(0, 96, (256,))
+    softcap = T.Softcap(23.0, 7.5, 5.0)
+    logits = h @ w.T
+    want = F.cross_entropy((23 * torch.sigmoid((logits + 5) / 7.5)).float(), targets)
+    fp32 = F.cross_entropy(23 * torch.sigmoid((logits.float() + 5) / 7.5), targets)
+    with torch.no_grad():
+        got = T.chunked_head_loss(h, w, targets, softcap, T.softcapped_cross_entropy_chunk,
+                                  form=T.LossForm(bf16_softcap=True))
+        plain = T.chunked_head_loss(h, w, targets, softcap, T.softcapped_cross_entropy_chunk)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(plain, fp32, rtol=1e-6, atol=1e-6)
+    assert abs(want - fp32) > 1e-5  # the two are told apart
+    assert T.parse_args(["--preset=cpu", "--recipe=record"], False).bf16_val_softcap
