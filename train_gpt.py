@@ -2621,9 +2621,9 @@ def adam_state_tensors(names: list[str], params: list[Tensor], states: list[dict
 class RecordAdam:
     """Track 2's DistAdam (2025-12-31_BulkSmallTrackTransfer, M L700-830): each rank updates its slice of every
     parameter in place, in the parameter's dtype (bf16 for the head, embeddings and gates), with no fp32 master;
-    the moments are bf16 too (record #89's: fp32, moment_dtype). The step is M's: lr * sqrt(1 - b2^t) / (1 - b1^t) * m / (sqrt(v) + eps), and the
-    cautious decay joins it where update * p > 0 (strict). The arithmetic runs in fp32 and is rounded once when
-    stored, as M's compiled step does."""
+    the moments are bf16 too (record #89's: fp32, moment_dtype). The step is M's: lr * sqrt(1 - b2^t) / (1 - b1^t)
+    * m / (sqrt(v) + eps), and the cautious decay joins it where update * p > 0 (strict). The arithmetic runs in
+    fp32 and is rounded once when stored, as M's compiled step does."""
 
     def __init__(self, buckets: list[Bucket], groups: dict[Tensor, AdamGroup], rank: int,
                  betas: tuple[float, float], eps: float, names: dict[Tensor, str],
