@@ -2,6 +2,7 @@
 
     python -m bench.memory_estimate                            # reference and v2, 1 and 8 GPUs (~2 min, 2 cores)
     python -m bench.memory_estimate --recipes=v2 --gpus=8
+    python -m bench.memory_estimate --recipes=record            # record #89's model (~1 min, 2 cores)
     python -m bench.memory_estimate --recipes=reference -- --seq_len=24576   # train_gpt.py flags after --
 
 What it measures. train_gpt.py's own model, optimizers and step, at the real shapes of --preset=speedrun
@@ -46,8 +47,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import functools
 import gc
+import inspect
 import operator
 import sys
 import time
@@ -239,8 +240,9 @@ def run_graph(gm: torch.fx.GraphModule, args: list, meter: LiveMemory, label: st
             return map_arg(n.args[0], lambda x: env[x])
         else:
             fn_args, fn_kwargs = map_arg((n.args, n.kwargs), lambda x: env[x])
-            if n.target in expansions():  # the op's last argument names its kernels' backend: the math is the same
-                out = run_expanded(n.target, fn_args[:-1], fn_kwargs, meter, label, f"{where} >", cache)
+            if n.target in expansions():
+                out = run_expanded(n.target, math_arguments(n.target, fn_args, fn_kwargs), meter, label,
+                                   f"{where} >", cache)
             else:
                 out = n.target(*fn_args, **fn_kwargs)
             meter.unfused.add(out, label, where)
@@ -254,11 +256,18 @@ def run_graph(gm: torch.fx.GraphModule, args: list, meter: LiveMemory, label: st
     raise AssertionError("graph without output")
 
 
-def run_expanded(op, fn_args, fn_kwargs, meter: LiveMemory, label: str, prefix: str, cache: dict):
+def math_arguments(op, fn_args, fn_kwargs) -> list:
+    """The op's arguments that its math takes, by name: not the kernels' backend (the math is the same), nor the
+    forward's gradient scale (record #89's head passes it to the op, for its backward)."""
+    given = {**dict(zip((a.name for a in op._schema.arguments), fn_args)), **fn_kwargs}
+    return [given[name] for name in inspect.signature(expansions()[op]).parameters]
+
+
+def run_expanded(op, fn_args, meter: LiveMemory, label: str, prefix: str, cache: dict):
     from torch.fx.experimental.proxy_tensor import make_fx
     key = (op, tuple((tuple(a.shape), a.dtype) if isinstance(a, torch.Tensor) else a for a in fn_args))
     if key not in cache:
-        gm = make_fx(functools.partial(expansions()[op], **fn_kwargs))(*fn_args)
+        gm = make_fx(expansions()[op])(*fn_args)
         for n in gm.graph.nodes:  # the trace's example values are this call's tensors: keeping them would leak
             n.meta.clear()
         cache[key] = gm

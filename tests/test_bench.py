@@ -469,6 +469,22 @@ def test_memory_estimate_runs_the_trainers_step_and_validation_on_fake_tensors(c
     assert state[2] < state[1], out
 
 
+def test_memory_estimate_runs_the_record_recipes_step_on_fake_tensors(capsys):
+    """--recipes=record at a small width (its 11 blocks: the FP8 MLPs, the FP8 head with the record's gradient
+    scale, the prefix-token table, the MUDD stream; 8 packed sequences of 128 / 256 / 384 tokens): a train step on
+    1 and 8 GPUs, the predicted peak at most the no-fusion bound. The real shapes' table is in bench/README.md
+    (about a minute on 2 cores)."""
+    from bench import memory_estimate as M
+    small = ["--model_dim=128", "--n_head=2", "--head_dim=64", "--batch_tokens=3072", "--seq_len=384",
+             "--val_seq_len=1024", "--val_tokens=1024", "--bigram_vocab_size=4096", "--bigram_dim=128"]
+    assert M.main(["--recipes=record", "--gpus=1,8", "--phases=train", "--", *small]) == 0
+    out = capsys.readouterr().out
+    assert "8 packed sequences per step of 128 / 256 / 384 tokens by stage" in out and "fp8_head=True" in out
+    rows = [line.split(" | ") for line in out.splitlines() if line.startswith("| record |")]
+    assert [(r[1], r[2], r[3]) for r in rows] == [("train step", "1", "8"), ("train step", "8", "1")]
+    assert all(0 < float(r[4]) <= float(r[5]) for r in rows)
+
+
 @pytest.mark.parametrize("size", ["-1", "0", "nan", "inf"])
 def test_memory_estimate_refuses_a_device_size_that_is_not_positive_and_finite(size, capsys):
     """--device_gib=-1 was accepted and printed a negative headroom for every row."""
