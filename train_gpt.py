@@ -2310,6 +2310,10 @@ def check_model_inputs(tokens: Tensor, targets: Tensor, windows: Tensor, vocab_s
         raise UsageError(f"target id {int(targets.max())} is outside the vocabulary [0, {vocab_size})")
 
 
+# record #89 (T:2249-2254): MUDD weights and biases stored bf16 (the gates' learned scale stays fp32)
+BF16_MUDD_PARAMETERS = ("mudd_w1", "mudd_w2", "mudd_b2", "mudd_gate_w1", "mudd_gate_w2", "mudd_gate_b2")
+
+
 def build_model(args: Hyperparameters, rt: Runtime) -> GPT:
     """The model on its device: embeddings in the activation dtype, matrices and scalars in fp32."""
     prefix = args.prefix_loss_weight > 0
@@ -2321,9 +2325,9 @@ def build_model(args: Hyperparameters, rt: Runtime) -> GPT:
     for module in model.modules():
         if isinstance(module, nn.Embedding):
             module.to(rt.dtype)
-    if not args.adam_master:  # track 2 (M L1702-1704): the head and the gates too, which its Adam updates in place
-        for name, p in model.named_parameters():
-            if name == "lm_head.weight" or name.endswith("_gate"):
+    if not args.adam_master:  # track 2 (M L1702-1704): the head and the gates too, which its Adam updates in place;
+        for name, p in model.named_parameters():  # record #89 (T:2249-2254): and MUDD's weights and biases
+            if name == "lm_head.weight" or name.endswith("_gate") or name in BF16_MUDD_PARAMETERS:
                 p.data = p.data.to(rt.dtype)
     quantize_mlp_fp8(model, bootstrap=True)  # T:2258: the initial weights' scales
     return model

@@ -136,6 +136,20 @@ V2_NOTE = ("v2 = --recipe=v2 on the cpu preset: part 1 (the v2_part1 suite: Pola
            "loss.")
 
 
+# The three recipes on the cpu preset at the v2 suite's budget (96 steps x 4096 tokens), so its reference and v2 rows
+# carry over. The record at its cpu shape (RECIPES["record"]["cpu"]: 11 blocks 256 wide, the 2048 -> 4096 -> 6144
+# ramp) with its step-count schedules scaled to the ~96 steps this budget buys, as the recipe scales them to 60:
+# 1 extension step, the tie split at the last stage's start (round(2 x 95 / 3) = 63, odd), momentum warm-up
+# 300 x 96/1285 = 22 and cool-down 50 x 96/1285 = 4.
+RECORD_CPU = ["--recipe=record", "--batch_tokens=6144", "--extension_steps=1", "--tied_embed_steps=63",
+              "--muon_momentum_warmup_steps=22", "--muon_momentum_cooldown_steps=4"]
+RECIPE_VARIANTS: dict[str, list[str]] = {"reference": [], V2: V2_CPU, "record": RECORD_CPU}
+RECIPES_NOTE = ("reference = the 2025-01-26 record's recipe (the cpu default); v2 = --recipe=v2 as in the v2 suite; "
+                "record = --recipe=record: record #89's model, loss, optimizers and schedule forms at the cpu width "
+                "(11 blocks of 256, MUDD, XSA, DC, prefix-token and multi-token losses, the 2048 -> 4096 -> 6144 "
+                "batch ramp, tie split and extension scaled to the run's steps). Validation is plain next-token loss.")
+
+
 @dataclass(frozen=True)
 class Suite:
     """A set of variants compared against one of them (target), with a headline against another (baseline)."""
@@ -151,6 +165,7 @@ SUITES = {
     "v2_part1": Suite(V2_PART1_VARIANTS, V2_PART1, "reference", V2_PART1_NOTE, "bench/results/v2_part1"),
     "v2": Suite(V2_VARIANTS, V2, "reference", V2_NOTE, "bench/results/v2"),
     "v2_each": Suite(V2_EACH_VARIANTS, V2, "reference", V2_EACH_NOTE, "bench/results/v2_each"),
+    "recipes": Suite(RECIPE_VARIANTS, "record", "reference", RECIPES_NOTE, "bench/results/recipes"),
 }
 
 # Defaults big enough to tell techniques apart (at 80K tokens per run the variants differed by less

@@ -4,7 +4,8 @@
     python -m bench.gpu_check --plan     # each part, its time share and how it was sized (no GPU, no torch needed)
     python -m bench.gpu_check --quick    # skip (e), the timed speedrun-preset run
     python -m bench.gpu_check --only=speedrun            # rerun one part (its own results file)
-    python -m bench.gpu_check --recipe=v2 --skip-tests   # (e) with recipe v2 (batch stages, model techniques)
+    python -m bench.gpu_check --recipe=reference --skip-tests   # (e) with another recipe (default: record, the GPU
+                                                                # default; reference | v2 | record)
     python -m bench.gpu_check --resume-drill-on-cpu      # (d)'s command lines, run on CPU with gloo (no GPU)
 
 What it does, in order, each part in its own process with its share of the time (BUDGET_S below) as timeout:
@@ -496,8 +497,14 @@ def tokens_between(batch_stages: list, first: int, last: int) -> int:
     return total
 
 
+# (e)'s run is a few steps of the recipe's schedule: record #89's step-count schedules fit a short run this way (no
+# extension or momentum cool-down; the embedding untied after step 1, so the split's graph is timed too)
+SHORT_RUN_FLAGS = {"record": ["--extension_steps=0", "--muon_momentum_cooldown_steps=0", "--tied_embed_steps=1"]}
+RECORD_MS_PER_STEP = 57.4  # record #89 on 8xH100: 73.8 s / 1285 steps (README row 89), ~460 ms of one GPU's time
+
+
 def check_speedrun(n_gpus: int, steps: int, warmup: int, timeout: float, tmp: Path,
-                   recipe: str = "reference") -> tuple[Row, dict]:
+                   recipe: str = "record") -> tuple[Row, dict]:
     nproc = max(w for w in (1, 2, 4, 8) if w <= n_gpus and SEQUENCES_PER_STEP % w == 0)
     total_steps = STEPS_BEFORE_CLEAN + steps  # the profiled steps come first, then `steps` clean timed ones
     name = f"{SPEEDRUN_ROW} ({recipe}, {nproc} GPU(s), {steps} steps)"
@@ -514,7 +521,7 @@ def check_speedrun(n_gpus: int, steps: int, warmup: int, timeout: float, tmp: Pa
         "--preset=speedrun", f"--recipe={recipe}", f"--num_iterations={total_steps}", "--val_every=0",
         f"--warmup_steps={warmup}", f"--val_tokens={val_tokens}", f"--profile_steps={PROFILED_STEPS}",
         f"--train_files={data}/synth_train_*.bin", f"--val_files={data}/synth_val_*.bin",
-        f"--log_dir={log_dir}", "--run_id=gpu_check"]
+        f"--log_dir={log_dir}", "--run_id=gpu_check", *SHORT_RUN_FLAGS.get(recipe, [])]
     started = time.time()
     rc, text = run_child(cmd, timeout, tmp / "speedrun.txt", trainer_env())
     wall = found["wall_s"] = time.time() - started
@@ -539,6 +546,11 @@ def check_speedrun(n_gpus: int, steps: int, warmup: int, timeout: float, tmp: Pa
         parts.append(f"{found['clean_ms_per_step']:.1f} ms/step over steps {STEPS_BEFORE_CLEAN + 1}-{total_steps} "
                      f"({found['clean_tokens_per_s']:,.0f} tokens/s; all {total_steps} steps with the profiled ones: "
                      f"{found['step_avg_ms']:.1f} ms)")
+    if recipe == "record" and "clean_tokens_per_s" in found:
+        full_batch_ms = found["full_batch_ms"] = GLOBAL_BATCH / found["clean_tokens_per_s"] * 1000
+        parts.append(f"a full 393,216-token step takes {full_batch_ms:.0f} ms on {nproc} GPU(s), "
+                     f"{full_batch_ms * nproc / 8:.1f} ms on 8 at this rate (the record: {RECORD_MS_PER_STEP} ms on "
+                     f"8xH100)")
     if found.get("peak_memory_mib") is not None:
         parts.append(f"peak memory {found['peak_memory_mib']:.0f} MiB allocated (rank 0)")
     if "recompiles_after_warmup" in found:
@@ -673,7 +685,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=integer(1), default=TIMED_STEPS,
                    help=f"timed steps of (e), after its first {STEPS_BEFORE_CLEAN} (profiler, trace export) "
                         f"(default {TIMED_STEPS})")
-    p.add_argument("--recipe", default="reference", choices=["reference", "v2"], help="recipe of (e) (reference)")
+    p.add_argument("--recipe", default="record", choices=["reference", "v2", "record"],
+                   help="recipe of (e) (record: the GPU default)")
     p.add_argument("--warmup", type=integer(0), default=WARMUP_STEPS,
                    help="untimed compile/warm-up steps of (e) (default 3: the first compiles, the next two catch "
                         "a recompilation that optimizer state or a changed value causes, so the timed steps run "
