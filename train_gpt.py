@@ -2671,8 +2671,8 @@ def record_adam_update(p: Tensor, grad: Tensor, state: dict[str, Tensor], lr: fl
     counted): the decay lr * (lr * wd) * p joins the update where update * p > 0."""
     b1, b2 = betas
     t = state["step"].double()  # a host tensor read as M's Python number, never .item(): fake tensors run it too
-    m = state["exp_avg"].float().mul_(b1).add_(grad, alpha=1 - b1)
-    v = state["exp_avg_sq"].float().mul_(b2).addcmul_(grad, grad, value=1 - b2)
+    m = state["exp_avg"].float().mul(b1).add_(grad, alpha=1 - b1)  # new tensors: fp32 moments stay the state's
+    v = state["exp_avg_sq"].float().mul(b2).addcmul_(grad, grad, value=1 - b2)
     state["exp_avg"].copy_(m)
     state["exp_avg_sq"].copy_(v)
     update = m.div_(v.sqrt_().add_(eps)).mul_(lr * ((1 - b2 ** t) ** 0.5 / (1 - b1 ** t)))

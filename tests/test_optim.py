@@ -593,7 +593,7 @@ def test_the_gates_second_moment_is_per_row_in_muon():
 
 
 def record_adam_slow(p, g, m, v, t, lr, betas, eps, wd):
-    """M L806-829 element by element in float64, the moments rounded to bf16 when stored."""
+    """M L806-829 element by element in float64 (the caller rounds the moments to their stored dtype)."""
     b1, b2 = betas
     p, g, m, v = p.double(), g.double(), m.double(), v.double()
     m = b1 * m + (1 - b1) * g
@@ -601,14 +601,15 @@ def record_adam_slow(p, g, m, v, t, lr, betas, eps, wd):
     update = lr * (1 - b2 ** t) ** 0.5 / (1 - b1 ** t) * m / (v.sqrt() + eps)
     mask = (update * p) > 0  # strict (M L824)
     update = update + lr * wd * lr * mask * p
-    return p - update, m.to(torch.bfloat16), v.to(torch.bfloat16)
+    return p - update, m, v
 
 
-def test_the_record_adam_step_matches_a_slow_direct_implementation():
+@pytest.mark.parametrize("moments", [torch.bfloat16, torch.float32])  # track 2's (M) and record #89's (T:554)
+def test_the_record_adam_step_matches_a_slow_direct_implementation(moments):
     gen = torch.Generator().manual_seed(0)
     p = torch.randn(4, 64, generator=gen).to(torch.bfloat16)
     p[0, :8] = 0.0
-    state = {"exp_avg": torch.zeros(256, dtype=torch.bfloat16), "exp_avg_sq": torch.zeros(256, dtype=torch.bfloat16),
+    state = {"exp_avg": torch.zeros(256, dtype=moments), "exp_avg_sq": torch.zeros(256, dtype=moments),
              "step": torch.zeros(())}
     ref = (p.flatten().double(), state["exp_avg"].clone(), state["exp_avg_sq"].clone())
     flat = p.view(-1)
@@ -619,10 +620,10 @@ def test_the_record_adam_step_matches_a_slow_direct_implementation():
         T.record_adam_update(flat, g, state, 0.6, (0.8, 0.95), 1e-8, 0.025)
         want_p, want_m, want_v = record_adam_slow(ref[0].to(torch.bfloat16), g, ref[1], ref[2], t, 0.6,
                                                   (0.8, 0.95), 1e-8, 0.025)
-        ref = (want_p, want_m, want_v)
-        assert state["exp_avg"].dtype == torch.bfloat16 and p.dtype == torch.bfloat16
-        torch.testing.assert_close(state["exp_avg"], want_m, rtol=2 ** -7, atol=1e-6)
-        torch.testing.assert_close(state["exp_avg_sq"], want_v, rtol=2 ** -7, atol=1e-9)
+        ref = (want_p, want_m.to(moments), want_v.to(moments))
+        assert state["exp_avg"].dtype == moments and p.dtype == torch.bfloat16
+        torch.testing.assert_close(state["exp_avg"], want_m.to(moments), rtol=2 ** -7, atol=1e-6)
+        torch.testing.assert_close(state["exp_avg_sq"], want_v.to(moments), rtol=2 ** -7, atol=1e-9)
         torch.testing.assert_close(p.view(-1).double(), want_p.to(torch.bfloat16).double(), rtol=2 ** -7, atol=1e-6)
 
 
