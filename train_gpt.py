@@ -4765,7 +4765,7 @@ def start(argv: list[str]) -> tuple[Hyperparameters, Runtime, RunFolder, Path | 
     if (place.is_master and checkpoint is None and args.preset == "cpu" and not torch.cuda.is_available()
             and "preset" not in overrides):
         print("no GPU found: running the cpu preset (small model, bundled sample data); "
-              "pass --preset=speedrun to force the reference recipe", flush=True)
+              "pass --preset=speedrun for the GPU default (record #89's recipe)", flush=True)
     rt = choose_runtime(place, args, overrides)
     check_data(args, place.is_master)
     hellaswag = downstream_inputs(args, rt)
