@@ -225,7 +225,8 @@ class Hyperparameters:
     qkv_init_gain: float = flag(0.5, "R: Q, K, V uniform with std gain / sqrt(model_dim); M L935-936: 1")
     head_init_std: float = flag(0.0, "M L1072-1073: the head starts N(0, std) (0.005); 0: --zero_init decides")
     value_embed_zero_init: bool = flag(False, "M L1062-1063: the value-embedding tables start at zero")
-    bf16_rotary: bool = flag(False, "M L881-886, L902-911: rotary's cos/sin tables and the rotation in bf16")
+    bf16_rotary: bool = flag(False, "M L881-886, L902-911 (record #89: T:1002-1017): rotary's cos/sin tables and the "
+                                    "rotation in bf16")
     bf16_train_logits: bool = flag(False, "M L1204-1221: the training loss's softcap, logsumexp and cross-entropy "
                                           "on bf16 logits (validation stays fp32, M L1196-1202)")
     bf16_val_softcap: bool = flag(False, "record #89, T:1689-1691: validation squashes the bf16 logits in bf16, "
@@ -261,7 +262,8 @@ class Hyperparameters:
     adam_cautious_wd: float = flag(0.005, "2025-12-18_CautiousWDAdam: head and embeddings (not the scalars)")
     record_muon_shapes: bool = flag(False, "track 2, 2025-12-31_BulkSmallTrackTransfer: Muon's lr (and decay) "
                                            "multiplier from M's stored shapes (M L633-649): Q, K, V, O x2, c_fc x2, "
-                                           "MLP c_proj x4")
+                                           "MLP c_proj x4; record #89 (T:509-522, with muon_qk_head_pairs): Q, K, V, "
+                                           "O x1, c_fc x2, c_proj x4")
     muon_qk_head_pairs: bool = flag(False, "record #89, 2026-04-08_PairedHeadMuon (T:1272-1285, T:510): Muon "
                                            "orthogonalises Q and K per head pair (2 * head_dim x dim, NorMuon per "
                                            "pair), V and O whole; with record_muon_shapes their lr from those shapes")
