@@ -4287,6 +4287,9 @@ RECORD_CPU_LINES: tuple[tuple[str, dict[str, object]], ...] = (
     ("cpu: a smaller bigram table (recipe v2's cpu rows), over the whole stream as T:1903",
      dict(bigram_vocab_size=5 * 50304, bigram_dim=0)),
     ("cpu: no FP8 matmul on a CPU", dict(fp8_mlp=False)),
+    ("cpu: documents unaligned and uncut, as recipe v2's cpu: the bundled sample's documents are ~7.8K tokens long "
+     "(median), and cutting them at 896 tokens used up its training shard by step 46", dict(bos_align=False,
+                                                                                             stage_doc_len_caps="")),
     ("cpu: the record's 1285 steps scaled to 60", dict(num_iterations=60, extension_steps=1, val_every=12,
                                                        muon_momentum_warmup_steps=14, muon_momentum_cooldown_steps=2,
                                                        tied_embed_steps=39)),
