@@ -364,14 +364,19 @@ def expected_hyperparameters(spec: RunSpec) -> dict:
     return {k: v for k, v in vars(parsed).items() if k not in ("run_id", "log_dir")}
 
 
+# Where a run's files go, and the loss its summary marks as the target: a run that differs only in these trained
+# and validated the same way, so its summary stands for this spec's
+NOT_THE_RUNS_MATH = ("run_id", "log_dir", "target_val_loss")
+
+
 def reusable_summary(spec: RunSpec, log_dir: Path) -> dict | None:
     path = log_dir / f"{spec.run_id}.json"
     try:
         summary = json.loads(path.read_text())
     except (OSError, ValueError):
         return None
-    recorded = {k: v for k, v in summary.get("hyperparameters", {}).items() if k not in ("run_id", "log_dir")}
-    expected = expected_hyperparameters(spec)
+    recorded = {k: v for k, v in summary.get("hyperparameters", {}).items() if k not in NOT_THE_RUNS_MATH}
+    expected = {k: v for k, v in expected_hyperparameters(spec).items() if k not in NOT_THE_RUNS_MATH}
     # A run from before a hyperparameter existed ran its default (each new switch defaults to the old math).
     defaults = {f.name: f.default for f in dataclasses.fields(T.Hyperparameters)}
     recorded.update({k: v for k, v in expected.items() if k not in recorded and v == defaults.get(k)})
