@@ -113,7 +113,9 @@ PLAN = {  # part: (share in s, how it was sized)
     "speedrun": (180, f"estimated: {WARMUP_STEPS + STEPS_BEFORE_CLEAN + TIMED_STEPS} steps at "
                       f"~{speedrun_step_seconds():.1f} s (6 FLOPs per weight per token at 40% of "
                       f"{H100_BF16_FLOPS / 1e12:.0f} TFLOP/s on one GPU), the cold compile of the training and "
-                      "validation graphs (2-4 min in the public record logs), the trace export"),
+                      "validation graphs (2-4 min in the public record logs; recipe record, the default, warms up "
+                      "one graph per batch stage, YaRN state and the tie split before its clock starts: not yet "
+                      "timed on a GPU), the trace export"),
 }
 BUDGET_S = {part: share for part, (share, _) in PLAN.items()}
 # The least time in which a part can finish at all (a process starts in ~10 s; (e) compiles for 2 min or more).

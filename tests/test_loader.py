@@ -371,8 +371,8 @@ def test_record_89s_document_cap_changes_with_the_stage(tmp_path):
     """Record #89 (T:1737-1760, T:1980-1987): the stage's train_max_seq_len cuts documents, 896 tokens in stage 0
     and 2048 after; --stage_doc_len_caps gives the loader each step's cap (here 48 then 64, on 2 ranks)."""
     files = [write_shard(tmp_path / f"s{i}.bin", doc_tokens(9000, seed=30 + i, mean_doc=60)) for i in range(4)]
-    args = T.parse_args(["--preset=cpu", "--recipe=record", "--batch_tokens=3072", "--batch_sequences=8",
-                         "--seq_len=384", "--stage_doc_len_caps=48,64,64", "--num_iterations=7",
+    args = T.parse_args(["--preset=cpu", "--recipe=record", "--bos_align=true", "--batch_tokens=3072",
+                         "--batch_sequences=8", "--seq_len=384", "--stage_doc_len_caps=48,64,64", "--num_iterations=7",
                          "--extension_steps=1", "--muon_momentum_warmup_steps=3", "--tied_embed_steps=5",
                          "--muon_momentum_cooldown_steps=1"], False)
     batches = T.batch_schedule(args, 2)
