@@ -4614,6 +4614,14 @@ def join_process_group(args: Hyperparameters) -> Place:
     return Place(rank, local_rank, world_size, device)
 
 
+def changed_from_recipe(overrides: dict[str, object], args: Hyperparameters) -> set[str]:
+    """The flags the command line sets to other values than the run's preset and recipe give them: a rebuilt run's
+    command line (records/rebuild_run.py), which repeats every value, asks for nothing its recipe did not."""
+    given = {**{f.name: f.default for f in fields(Hyperparameters)}, **PRESETS[args.preset],
+             **RECIPES[args.recipe][args.preset], "preset": args.preset, "recipe": args.recipe}
+    return {name for name, value in overrides.items() if value != given.get(name)}
+
+
 def choose_runtime(place: Place, args: Hyperparameters, explicit: typing.Collection[str] = ()) -> Runtime:
     """The device's dtype and kernels for this run's hyperparameters (explicit: the flags the command line set)."""
     kernels = choose_kernels(args, place.device.type, fp8_supported(place.device), explicit)
@@ -4771,7 +4779,7 @@ def start(argv: list[str]) -> tuple[Hyperparameters, Runtime, RunFolder, Path | 
             and "preset" not in overrides):
         print("no GPU found: running the cpu preset (small model, bundled sample data); "
               "pass --preset=speedrun for the GPU default (record #89's recipe)", flush=True)
-    rt = choose_runtime(place, args, overrides)
+    rt = choose_runtime(place, args, changed_from_recipe(overrides, args))
     check_data(args, place.is_master)
     hellaswag = downstream_inputs(args, rt)
     folder = claim_run_folder(Path(args.log_dir), args.run_id, args.preset, args.resume, rt, checkpoint)

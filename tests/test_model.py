@@ -1115,6 +1115,16 @@ def test_fp8_asked_on_the_command_line_without_fp8_matmuls_is_refused_in_one_lin
     assert T.choose_kernels(args, "cuda", True, explicit={name: True})[name]
 
 
+def test_only_a_value_the_preset_and_recipe_do_not_give_counts_as_asked_for():
+    """A rebuilt run's command line (records/rebuild_run.py) repeats every value, --fp8_head=true (the default)
+    included: that asks for nothing, so a CPU reruns it; --fp8_mlp=true on the cpu preset does ask."""
+    overrides = {"preset": "cpu", "fp8_head": True, "fp8_mlp": True, "n_layer": 6, "seed": 0}
+    args = T.resolve_hyperparameters(overrides, False)
+    assert T.changed_from_recipe(overrides, args) == {"fp8_mlp"}
+    record = {"preset": "speedrun", "recipe": "record", "fp8_mlp": True, "n_layer": 11}
+    assert T.changed_from_recipe(record, T.resolve_hyperparameters(record, False)) == set()
+
+
 def test_the_record_recipe_runs_the_fp8_mlp_on_the_speedrun_preset_only_and_the_head_at_its_scales():
     """(--loss_sum=true: the loss section's record value, which the record head's g scale needs.)"""
     speedrun, cpu = (T.parse_args([f"--preset={p}", "--recipe=record", "--loss_sum=true"], False)

@@ -76,7 +76,7 @@ def test_each_flag_is_owned_by_at_most_one_technique_and_every_preset_is_decided
 
 @pytest.mark.parametrize("preset", ["speedrun", "cpu"])
 def test_recipe_v2_turns_on_exactly_the_techniques_declared_for_the_preset_and_off_turns_each_off(preset):
-    reference = T.parse_args([f"--preset={preset}"], False)
+    reference = T.parse_args([f"--preset={preset}", "--recipe=reference"], False)
     v2 = T.parse_args([f"--preset={preset}", "--recipe=v2"], False)
     assert not [t.name for t in T.TECHNIQUES if t.is_on(reference)]
     assert [t.name for t in T.TECHNIQUES if t.is_on(v2)] == [t.name for t in T.TECHNIQUES if preset in t.v2]
@@ -107,7 +107,7 @@ def test_the_cpu_v2_run_log_names_what_it_leaves_out_and_the_flags_that_add_it()
 
 def test_recipe_v2_switches_every_technique_on_and_each_flag_switches_one_off():
     ref, v2 = speedrun(), speedrun("--recipe=v2")
-    assert ref == T.Hyperparameters(preset="speedrun")  # the reference stays the dataclass defaults
+    assert ref == T.Hyperparameters(preset="speedrun", recipe="reference")  # the reference stays the dataclass defaults
     on = {"polar_express": True, "normuon": True, "cautious_wd": True, "bos_align": True, "doc_len_cap": 2048,
           "batch_schedule": "1/3,2/3,1", "scalar_adam_beta1": 0.9, "scalar_adam_beta2": 0.99}
     assert {k: getattr(v2, k) for k in on} == on and all(getattr(ref, k) != v for k, v in on.items())

@@ -149,7 +149,7 @@ def test_checkpoint_of_another_shape_or_recipe_is_refused(checkpoint, tmp_path):
     assert "refuses (bad value 'sparse' for --attn_gate; valid: true or false)" in \
         one_error_line(tool_in_process("export", not_bool, tmp_path / "out3"))
     newer = edited("newer", lambda h: h.update(recipe="v9"))
-    assert "refuses (bad value 'v9' for --recipe; valid: one of reference, v2)" in \
+    assert "refuses (bad value 'v9' for --recipe; valid: one of auto, reference, v2, record)" in \
         one_error_line(tool_in_process("export", newer, tmp_path / "out2"))
     assert "does not exist" in one_error_line(tool_in_process("sample", tmp_path / "missing", env=TOKENIZER_ENV))
 

@@ -74,7 +74,7 @@ DRIVER = textwrap.dedent('''
             self.world_size = world_size
         T.Optimizers.step = no_average
     elif fault == "wrong_shard":
-        def same_data_everywhere(self, accum, seq_len):
+        def same_data_everywhere(self, accum, seq_len, doc_cap=None):
             chunks = [self.stream.take(seq_len, self.bos_align) for _ in range(self.world_size * accum)]
             return [T.to_device(chunks[i], self.device) for i in range(0, len(chunks), self.world_size)]
         T.DistributedTokenLoader.next_batch = same_data_everywhere
