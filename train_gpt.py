@@ -422,6 +422,13 @@ def recipe_fits(recipe: str, preset: str) -> bool:
     return not (recipe == "record" and preset == "medium")
 
 
+def recipe_values(preset: str, recipe: str) -> dict[str, object]:
+    """Every hyperparameter as a preset and a recipe give it, before the command line: the dataclass defaults, the
+    preset's values on top, the recipe's on those."""
+    return {**{f.name: f.default for f in fields(Hyperparameters)}, **PRESETS[preset], **RECIPES[recipe][preset],
+            "preset": preset, "recipe": recipe}
+
+
 def resolve_hyperparameters(overrides: dict[str, object], cuda_available: bool,
                             check_unused: bool = True) -> Hyperparameters:
     """The command line's values on top of its recipe's, on top of its preset's; validated (check_unused: the
@@ -439,8 +446,7 @@ def resolve_hyperparameters(overrides: dict[str, object], cuda_available: bool,
     if not recipe_fits(recipe, preset):
         raise UsageError("--recipe=record is the short track's record #89; the medium preset is track 2's record "
                          "already: pass --preset=speedrun or --preset=cpu, or drop --recipe")
-    args = Hyperparameters(**{**PRESETS[preset], **RECIPES[recipe][preset], **overrides, "preset": preset,
-                              "recipe": recipe})
+    args = Hyperparameters(**{**recipe_values(preset, recipe), **overrides, "preset": preset, "recipe": recipe})
     validate_args(args, overrides if check_unused else None)
     return args
 
@@ -3683,7 +3689,7 @@ class Technique:
 
     def off(self, preset: str) -> dict[str, object]:
         """The values that leave it out on preset: what the reference recipe has for every flag v2 sets."""
-        reference = {**{f.name: getattr(Hyperparameters, f.name) for f in fields(Hyperparameters)}, **PRESETS[preset]}
+        reference = recipe_values(preset, "reference")
         return {name: reference[name] for name in self.v2.get(preset, {})}
 
 
@@ -4617,8 +4623,7 @@ def join_process_group(args: Hyperparameters) -> Place:
 def changed_from_recipe(overrides: dict[str, object], args: Hyperparameters) -> set[str]:
     """The flags the command line sets to other values than the run's preset and recipe give them: a rebuilt run's
     command line (records/rebuild_run.py), which repeats every value, asks for nothing its recipe did not."""
-    given = {**{f.name: f.default for f in fields(Hyperparameters)}, **PRESETS[args.preset],
-             **RECIPES[args.recipe][args.preset], "preset": args.preset, "recipe": args.recipe}
+    given = recipe_values(args.preset, args.recipe)
     return {name for name, value in overrides.items() if value != given.get(name)}
 
 
